@@ -1,0 +1,142 @@
+"""Our attention backend, registered as `CPU_BACKEND_ATTN`.
+
+Replaces the host's `vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend`
+(and its metadata builder) for decoder attention. The host backend is tied to
+its compiled `_C` kernels, whose AVX2 build lacks features (fp8 KV cache) and
+whose scheduling metadata we do not control; ours owns the paged-KV layout,
+the per-step metadata and the compute path (PyTorch ops now, our native
+kernels with runtime ISA dispatch next).
+
+Paged KV with block tables; prefill, decode, mixed batches (chunked prefill),
+prefix-cache hits (a request whose first tokens are already cached is a
+prefill with `context_len > 0`), GQA/MQA, sliding window, soft-cap, ALiBi.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+NAME = "CPU_BACKEND_ATTN"
+
+
+class CpuBackendAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ]
+    # "auto" stores the model dtype; the others store that dtype and compute in
+    # float32. Quantized KV dtypes come with the KV-cache dtype handlers.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return NAME
+
+    @staticmethod
+    def get_impl_cls():
+        from cpu_backend.attention.impl import CpuBackendAttentionImpl
+
+        return CpuBackendAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return CpuBackendMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [32, 64, 80, 96, 112, 128, 160, 192, 224, 256]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+@dataclass
+class CpuBackendAttentionMetadata:
+    """What one step's attention needs, computed once and shared by all layers."""
+
+    num_actual_tokens: int
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    slot_mapping: torch.Tensor  # [num_tokens]
+    # Requests with exactly one new token, run as one batch.
+    decode_token_idx: torch.Tensor  # [num_decodes] long: rows of query/output
+    decode_req_idx: torch.Tensor  # [num_decodes] long: rows of block_table
+    decode_seq_lens: torch.Tensor  # [num_decodes] long
+    decode_max_seq_len: int
+    decodes_are_leading: bool  # decode rows are 0..num_decodes-1: slice, no gather
+    # Every other request: (request row, first token row, num new tokens, seq_len).
+    prefills: list[tuple[int, int, int, int]]
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_token_idx.shape[0]
+
+
+class CpuBackendMetadataBuilder(AttentionMetadataBuilder[CpuBackendAttentionMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Ask the runner to put single-token requests first, so decode rows are
+        # a slice of the batch rather than a gather.
+        self._init_reorder_batch_threshold(1)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> CpuBackendAttentionMetadata:
+        cm = common_attn_metadata
+        num_reqs = cm.num_reqs
+        starts = cm.query_start_loc_cpu[: num_reqs + 1].long()
+        query_lens = starts[1:] - starts[:-1]
+        seq_lens = cm.seq_lens[:num_reqs].to("cpu", torch.long)
+
+        is_decode = query_lens == 1
+        decode_req_idx = torch.nonzero(is_decode).flatten()
+        decode_token_idx = starts[:-1][decode_req_idx]
+        decode_seq_lens = seq_lens[decode_req_idx]
+        num_decodes = decode_req_idx.shape[0]
+
+        prefill_reqs = torch.nonzero(~is_decode & (query_lens > 0)).flatten().tolist()
+        starts_list, lens_list, seq_list = starts.tolist(), query_lens.tolist(), seq_lens.tolist()
+        prefills = [(r, starts_list[r], lens_list[r], seq_list[r]) for r in prefill_reqs]
+
+        return CpuBackendAttentionMetadata(
+            num_actual_tokens=cm.num_actual_tokens,
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            decode_token_idx=decode_token_idx,
+            decode_req_idx=decode_req_idx,
+            decode_seq_lens=decode_seq_lens,
+            decode_max_seq_len=int(decode_seq_lens.max()) if num_decodes else 0,
+            decodes_are_leading=bool(
+                num_decodes == 0 or int(decode_token_idx[-1]) == num_decodes - 1
+            ),
+            prefills=prefills,
+        )

@@ -1,0 +1,124 @@
+"""Attention compute for `CPU_BACKEND_ATTN`; replaces the host's
+`vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl`.
+
+The KV-cache write (`do_kv_cache_update`) runs before `forward`, so `forward`
+reads every key and value, new ones included, from the paged cache; a prefill
+with no cached prefix reads the fresh key/value tensors instead (same values,
+no gather).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
+
+from cpu_backend.attention import paged_torch
+from cpu_backend.attention.backend import CpuBackendAttentionMetadata
+
+
+class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
+    # Counts forward passes in this process; tests read it (via
+    # collective_rpc) to prove this backend ran.
+    forward_calls: int = 0
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(
+                f"CPU_BACKEND_ATTN runs decoder attention only, not {attn_type!r}."
+            )
+        if sinks is not None:
+            raise NotImplementedError("CPU_BACKEND_ATTN does not support attention sinks yet.")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sliding_window = sliding_window
+        self.params = paged_torch.AttentionParams(
+            scale=self.scale,
+            sliding_window=sliding_window,
+            softcap=logits_soft_cap or None,
+            alibi_slopes=(
+                torch.tensor(alibi_slopes, dtype=torch.float32)
+                if alibi_slopes is not None
+                else None
+            ),
+        )
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        paged_torch.write_kv(key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CpuBackendAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query `[T, Hq, D]`, key/value `[T, Hkv, D]`, output `[T, Hq, D]`."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("CPU_BACKEND_ATTN has no fused output quantization.")
+        if attn_metadata is None:  # profiling run
+            return output
+        type(self).forward_calls += 1
+        key_cache, value_cache = paged_torch.split_kv_cache(kv_cache)
+        md = attn_metadata
+
+        if md.num_decodes:
+            if md.decodes_are_leading:
+                rows = slice(0, md.num_decodes)
+                block_table = md.block_table[: md.num_decodes]
+            else:
+                rows = md.decode_token_idx
+                block_table = md.block_table[md.decode_req_idx]
+            out = paged_torch.decode(
+                query[rows], key_cache, value_cache, block_table,
+                md.decode_seq_lens, md.decode_max_seq_len, self.params,
+            )
+            output[rows] = out.to(output.dtype)
+
+        fresh_kv_usable = kv_cache.dtype == query.dtype and key is not None
+        for req, start, num_new, seq_len in md.prefills:
+            end = start + num_new
+            context_len = seq_len - num_new
+            if context_len == 0 and fresh_kv_usable:
+                k = key[start:end].transpose(0, 1)
+                v = value[start:end].transpose(0, 1)
+            else:
+                num_blocks = -(-seq_len // key_cache.shape[2])
+                block_ids = md.block_table[req, :num_blocks]
+                k = paged_torch.gather_kv(key_cache, block_ids, seq_len)
+                v = paged_torch.gather_kv(value_cache, block_ids, seq_len)
+            output[start:end] = paged_torch.prefill(
+                query[start:end], k, v, context_len, self.params
+            ).to(output.dtype)
+        return output

@@ -1,0 +1,137 @@
+"""The `VLLM_CPU_*` environment variables, parsed and validated in one place.
+
+They keep the meaning vLLM's CPU documentation gives them. Every bad value
+raises `EnvError` naming the variable and what it accepts, at engine start-up,
+before any request is taken. Reads are not cached: tests and the host change
+`os.environ` between engines.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+
+KVCACHE_SPACE = "VLLM_CPU_KVCACHE_SPACE"
+OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+NUM_OF_RESERVED_CPU = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+MOE_PREPACK = "VLLM_CPU_MOE_PREPACK"
+SGL_KERNEL = "VLLM_CPU_SGL_KERNEL"
+# Ours: force an ISA path (see cpu_backend.isa), e.g. "portable" in tests.
+BACKEND_ISA = "VLLM_CPU_BACKEND_ISA"
+
+_GiB = 1 << 30
+# "0-3,8|4-7,9": per-rank CPU lists separated by "|", ranges and single ids.
+_CPU_LIST_RE = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+
+
+class EnvError(ValueError):
+    """A `VLLM_CPU_*` variable holds a value we cannot use."""
+
+    def __init__(self, name: str, value: str, expected: str):
+        super().__init__(f"{name}={value!r} is invalid: expected {expected}.")
+        self.name = name
+
+
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name)
+    return None if value is None or value.strip() == "" else value.strip()
+
+
+def kvcache_space_bytes() -> int | None:
+    """KV-cache size from `VLLM_CPU_KVCACHE_SPACE` (GiB); None means automatic.
+
+    As documented for vLLM's CPU backend, 0 (the default) means automatic.
+    """
+    value = _raw(KVCACHE_SPACE)
+    if value is None:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib >= 0):
+        raise EnvError(KVCACHE_SPACE, value, "a size in GiB >= 0 (0 = automatic), e.g. 4")
+    return None if gib == 0 else int(gib * _GiB)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5]."""
+    ids: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        ids.extend(range(int(lo), int(hi or lo) + 1))
+    return ids
+
+
+@dataclass(frozen=True)
+class ThreadsBind:
+    """`VLLM_CPU_OMP_THREADS_BIND`: 'auto', 'all', 'nobind' or per-rank lists."""
+
+    mode: str  # "auto" | "all" | "nobind" | "lists"
+    cpu_lists: tuple[tuple[int, ...], ...] = ()
+
+
+def omp_threads_bind() -> ThreadsBind:
+    value = _raw(OMP_THREADS_BIND) or "auto"
+    if value in ("auto", "all", "nobind"):
+        return ThreadsBind(value)
+    ranks = value.split("|")
+    if not all(_CPU_LIST_RE.match(r) for r in ranks):
+        raise EnvError(
+            OMP_THREADS_BIND,
+            value,
+            "'auto', 'all', 'nobind', or CPU lists per rank such as '0-31|32-63'",
+        )
+    for rank in ranks:
+        for part in rank.split(","):
+            lo, _, hi = part.partition("-")
+            if hi and int(lo) > int(hi):
+                raise EnvError(
+                    OMP_THREADS_BIND, value, "ranges written low-high, e.g. '0-3'"
+                )
+    lists = tuple(tuple(parse_cpu_list(r)) for r in ranks)
+    allowed = os.sched_getaffinity(0)
+    missing = sorted({c for ids in lists for c in ids} - allowed)
+    if missing:
+        raise EnvError(
+            OMP_THREADS_BIND, value, f"CPUs this process may use {sorted(allowed)}; "
+            f"not {missing}"
+        )
+    return ThreadsBind("lists", lists)
+
+
+def num_reserved_cpus() -> int | None:
+    value = _raw(NUM_OF_RESERVED_CPU)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise EnvError(NUM_OF_RESERVED_CPU, value, "a whole number of CPUs >= 0")
+    return int(value)
+
+
+def _flag(name: str) -> bool | None:
+    value = _raw(name)
+    if value is None:
+        return None
+    if value not in ("0", "1"):
+        raise EnvError(name, value, "0 or 1")
+    return value == "1"
+
+
+def moe_prepack() -> bool | None:
+    return _flag(MOE_PREPACK)
+
+
+def sgl_kernel() -> bool | None:
+    return _flag(SGL_KERNEL)
+
+
+def validate_all() -> None:
+    """Parse every variable once so a bad one fails at start-up."""
+    kvcache_space_bytes()
+    omp_threads_bind()
+    num_reserved_cpus()
+    moe_prepack()
+    sgl_kernel()

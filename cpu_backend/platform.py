@@ -1,0 +1,243 @@
+"""Our vLLM platform: replaces the host's `vllm.platforms.cpu.CpuPlatform`.
+
+Why a subclass that keeps `PlatformEnum.CPU`: vLLM branches on
+`current_platform.is_cpu()` in dozens of places (executor and OpenMP thread
+binding, CPU tensor handling in the model runner, the gloo communicator, the
+sampler, weight loading). Reporting `OOT` would switch all of those to GPU
+code paths that do not work on a CPU (the stock worker dies on the sleep-mode
+allocator). Keeping `CPU` keeps those paths and we take over, through the
+platform's own hooks, exactly what we own:
+
+- the attention backend (`get_attn_backend_cls`): ours, under our own name;
+- the worker (`check_and_update_config` sets `worker_cls`);
+- validation of dtype, KV-cache dtype, block size, head size and the
+  `VLLM_CPU_*` variables, with errors naming the setting, at start-up;
+- defaults: eager execution (torch.compile costs ~1 min of start-up on a CPU
+  and is opt-in with `--compilation-config '{"mode": 3}'`), a smaller KV block
+  and a KV-cache size that does not refuse to start on a busy machine.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.logger import init_logger
+from vllm.platforms.cpu import CpuPlatform
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+from cpu_backend import envs, isa
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+logger = init_logger(f"vllm.{__name__}")
+
+ATTENTION_BACKEND_NAME = "CPU_BACKEND_ATTN"
+ATTENTION_BACKEND_QUALNAME = "cpu_backend.attention.backend.CpuBackendAttentionBackend"
+WORKER_QUALNAME = "cpu_backend.worker.cpu_worker.CpuBackendWorker"
+DEFAULT_BLOCK_SIZE = 64
+BLOCK_SIZE_MULTIPLE = 16
+# Used when KV space is automatic and the host's 0.92-of-total rule does not fit.
+_FALLBACK_KV_FRACTION_OF_AVAILABLE = 0.25
+_FALLBACK_KV_MAX_BYTES = 4 << 30
+
+
+def _register_attention_backend_name() -> AttentionBackendEnum:
+    """Make `--attention-backend CPU_BACKEND_ATTN` a valid choice."""
+    if ATTENTION_BACKEND_NAME in AttentionBackendEnum.__members__:
+        return AttentionBackendEnum[ATTENTION_BACKEND_NAME]
+    return AttentionBackendEnum.register(ATTENTION_BACKEND_NAME, ATTENTION_BACKEND_QUALNAME)
+
+
+OUR_ATTENTION_BACKEND = _register_attention_backend_name()
+
+
+class ConfigError(ValueError):
+    """A vLLM setting our platform cannot run, named with what it accepts."""
+
+
+class CpuBackendPlatform(CpuPlatform):
+    # `_enum` stays PlatformEnum.CPU on purpose: see the module docstring.
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_attn_backend_cls(
+        cls,
+        selected_backend: AttentionBackendEnum | None,
+        attn_selector_config: AttentionSelectorConfig,
+        num_heads: int | None = None,
+    ) -> str:
+        cfg = attn_selector_config
+        if cfg.use_mla or cfg.use_sparse:
+            # Latent (MLA) and sparse attention are not ours yet: the host's
+            # CPU MLA backends serve them.
+            return super().get_attn_backend_cls(selected_backend, cfg, num_heads)
+        if selected_backend == AttentionBackendEnum.CPU_ATTN:
+            logger.info("Using the host's CPU_ATTN backend, as --attention-backend asks.")
+            return selected_backend.get_path()
+        if selected_backend not in (None, OUR_ATTENTION_BACKEND):
+            raise ConfigError(
+                f"--attention-backend {selected_backend.name} cannot run on the CPU: "
+                f"use {ATTENTION_BACKEND_NAME} (the default) or CPU_ATTN."
+            )
+        from cpu_backend.attention.backend import CpuBackendAttentionBackend
+
+        reasons = _validate_with(CpuBackendAttentionBackend, cfg)
+        if reasons:
+            raise ConfigError(
+                f"{ATTENTION_BACKEND_NAME} cannot run this attention layer "
+                f"(head_size={cfg.head_size}, dtype={cfg.dtype}, "
+                f"kv_cache_dtype={cfg.kv_cache_dtype}, block_size={cfg.block_size}, "
+                f"attn_type={cfg.attn_type}): {'; '.join(reasons)}."
+            )
+        return ATTENTION_BACKEND_QUALNAME
+
+    @classmethod
+    def apply_config_platform_defaults(cls, vllm_config: VllmConfig) -> None:
+        from vllm.config import CompilationMode
+
+        super().apply_config_platform_defaults(vllm_config)
+        if vllm_config.compilation_config.mode is None:
+            vllm_config.compilation_config.mode = CompilationMode.NONE
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        envs.validate_all()
+        isa.selected_path()  # a bad VLLM_CPU_BACKEND_ISA fails here
+        _check_model(vllm_config)
+        _translate_threads_bind_all()
+
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = WORKER_QUALNAME
+
+        cache_config = vllm_config.cache_config
+        user_block_size = cache_config.user_specified_block_size
+        super().check_and_update_config(vllm_config)
+        model_config = vllm_config.model_config
+        uses_mla = model_config is not None and model_config.use_mla
+        if not user_block_size and not uses_mla:
+            cache_config.block_size = DEFAULT_BLOCK_SIZE
+        _size_kv_cache(vllm_config)
+        _log_choice_once(vllm_config)
+
+
+def _validate_with(backend_cls, cfg: AttentionSelectorConfig) -> list[str]:
+    """Call the backend's `validate_configuration` with the arguments it takes."""
+    accepted = inspect.signature(backend_cls.validate_configuration).parameters
+    kwargs = {k: v for k, v in cfg._asdict().items() if k in accepted}
+    if "device_capability" in accepted:
+        kwargs["device_capability"] = None
+    return backend_cls.validate_configuration(**kwargs)
+
+
+def _check_model(vllm_config: VllmConfig) -> None:
+    """Reject, before any process starts, what our attention cannot run."""
+    from cpu_backend.attention.backend import CpuBackendAttentionBackend as backend
+
+    cache_config = vllm_config.cache_config
+    if cache_config.user_specified_block_size and (
+        cache_config.block_size % BLOCK_SIZE_MULTIPLE != 0
+    ):
+        raise ConfigError(
+            f"--block-size {cache_config.block_size} is not supported by cpu_backend: "
+            f"use a multiple of {BLOCK_SIZE_MULTIPLE} (default {DEFAULT_BLOCK_SIZE})."
+        )
+    if not backend.supports_kv_cache_dtype(cache_config.cache_dtype):
+        raise ConfigError(
+            f"--kv-cache-dtype {cache_config.cache_dtype} is not supported by "
+            f"cpu_backend: use one of {backend.supported_kv_cache_dtypes}."
+        )
+    model_config = vllm_config.model_config
+    if model_config is None:
+        return
+    if model_config.dtype not in backend.supported_dtypes:
+        raise ConfigError(
+            f"--dtype {model_config.dtype} is not supported by cpu_backend: use "
+            "bfloat16, float16 or float32."
+        )
+    if model_config.use_mla or not model_config.get_num_attention_heads(
+        vllm_config.parallel_config
+    ):
+        return
+    head_size = model_config.get_head_size()
+    if not backend.supports_head_size(head_size):
+        raise ConfigError(
+            f"model {model_config.model!r} has attention head size {head_size}, which "
+            f"cpu_backend does not support (supported: {backend.get_supported_head_sizes()})."
+        )
+
+
+def _translate_threads_bind_all() -> None:
+    """`VLLM_CPU_OMP_THREADS_BIND=all` (in vLLM's docs, unknown to the host 0.32):
+    bind the single rank to every CPU this process may use."""
+    if envs.omp_threads_bind().mode == "all":
+        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        os.environ[envs.OMP_THREADS_BIND] = cpus
+        os.environ.setdefault(envs.NUM_OF_RESERVED_CPU, "0")
+
+
+def _size_kv_cache(vllm_config: VllmConfig) -> None:
+    """KV-cache bytes: `VLLM_CPU_KVCACHE_SPACE` (GiB; 0 = automatic) or
+    `--kv-cache-memory-bytes`; automatic uses the host's rule (a share of total
+    memory per `--gpu-memory-utilization`) when that much is free, else a
+    smaller size with a warning instead of refusing to start."""
+    import psutil
+
+    cache_config = vllm_config.cache_config
+    explicit = envs.kvcache_space_bytes()
+    if explicit is not None:
+        cache_config.kv_cache_memory_bytes = explicit
+        return
+    if os.environ.get(envs.KVCACHE_SPACE, "").strip():
+        # "0": the host parsed it as 0 bytes; it means automatic.
+        cache_config.kv_cache_memory_bytes = None
+    if cache_config.kv_cache_memory_bytes is not None:
+        return
+    memory = psutil.virtual_memory()
+    wanted = memory.total * cache_config.gpu_memory_utilization
+    if wanted <= memory.available:
+        return  # the host's worker sizes it
+    fallback = int(
+        min(_FALLBACK_KV_MAX_BYTES, memory.available * _FALLBACK_KV_FRACTION_OF_AVAILABLE)
+    )
+    logger.warning(
+        "Only %.1f GiB of %.1f GiB memory is free, less than "
+        "--gpu-memory-utilization=%.2f asks for; using %.2f GiB for the KV cache. "
+        "Set %s (GiB) to choose.",
+        memory.available / (1 << 30),
+        memory.total / (1 << 30),
+        cache_config.gpu_memory_utilization,
+        fallback / (1 << 30),
+        envs.KVCACHE_SPACE,
+    )
+    cache_config.kv_cache_memory_bytes = fallback
+
+
+_logged = False
+
+
+def _log_choice_once(vllm_config: VllmConfig) -> None:
+    global _logged
+    if _logged:
+        return
+    _logged = True
+    logger.info(
+        "cpu_backend: platform=%s attention=%s worker=%s isa=%s kernels=torch-ops "
+        "block_size=%d compile_mode=%s",
+        CpuBackendPlatform.__name__,
+        ATTENTION_BACKEND_NAME,
+        vllm_config.parallel_config.worker_cls.rsplit(".", 1)[-1],
+        isa.describe(),
+        vllm_config.cache_config.block_size,
+        vllm_config.compilation_config.mode.name
+        if vllm_config.compilation_config.mode is not None
+        else "default",
+    )

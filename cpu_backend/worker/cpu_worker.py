@@ -1,0 +1,78 @@
+"""Our worker: replaces the host's `vllm.v1.worker.cpu_worker.CPUWorker`.
+
+It subclasses the host worker, which keeps memory-node checks, KV sizing and
+the executor protocol, and overrides `init_device` to build our model runner.
+NUMA/OpenMP binding and the memory profiler grow here.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+from cpu_backend.worker.model_runner import CpuBackendModelRunner
+
+logger = init_logger(f"vllm.{__name__}")
+
+
+class CpuBackendWorker(CPUWorker):
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")
+        # The CPU communicator names its shared-memory segments after this.
+        init_method = self.distributed_init_method
+        os.environ["VLLM_DIST_IDENT"] = (
+            os.path.basename(init_method.removeprefix("file://"))
+            if init_method.startswith("file://")
+            else init_method.split(":")[-1]
+        )
+        init_worker_distributed_environment(
+            self.vllm_config,
+            self.rank,
+            self.distributed_init_method,
+            self.local_rank,
+            current_platform.dist_backend,
+        )
+        set_random_seed(self.model_config.seed)
+        if self.use_v2_model_runner:
+            # The V2 runner is the host's; our attention backend still serves it.
+            from vllm.v1.worker.cpu.model_runner import CPUModelRunner as HostV2Runner
+
+            logger.info("Using the host's V2 CPU model runner.")
+            self.model_runner = HostV2Runner(self.vllm_config, self.device)
+        else:
+            self.model_runner = CpuBackendModelRunner(self.vllm_config, self.device)
+        logger.info(
+            "cpu_backend worker rank %d: %d torch threads on CPUs %s",
+            self.rank,
+            torch.get_num_threads(),
+            sorted(os.sched_getaffinity(0)),
+        )
+
+    def _should_warm_up_model(self) -> bool:
+        # Our runner's warm-up is one small step in eager mode: always worth it.
+        return True
+
+    def cpu_backend_report(self) -> dict:
+        """What this worker runs, for `LLM.collective_rpc("cpu_backend_report")`:
+        the classes in use and how often our attention ran in this process."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        from cpu_backend.attention.impl import CpuBackendAttentionImpl
+
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        return {
+            "worker": type(self).__qualname__,
+            "model_runner": type(self.model_runner).__qualname__,
+            "attention_backends": sorted(
+                {layer.attn_backend.get_name() for layer in layers.values()}
+            ),
+            "attention_impls": sorted({type(layer.impl).__qualname__ for layer in layers.values()}),
+            "attention_forward_calls": CpuBackendAttentionImpl.forward_calls,
+        }

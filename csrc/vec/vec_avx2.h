@@ -1,0 +1,89 @@
+// VecF32x16 on AVX2: two __m256. Built only into _kernels_avx2.so
+// (-mavx2 -mfma -mf16c).
+#pragma once
+
+#include <immintrin.h>
+
+#include "vec_common.h"
+
+namespace cpu_backend {
+
+#define CPU_BACKEND_ISA_NAME "avx2"
+
+struct VecF32x16 {
+  __m256 lo, hi;
+
+  static CB_ALWAYS_INLINE VecF32x16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static CB_ALWAYS_INLINE VecF32x16 broadcast(float f) {
+    __m256 b = _mm256_set1_ps(f);
+    return {b, b};
+  }
+
+  static CB_ALWAYS_INLINE VecF32x16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+  static CB_ALWAYS_INLINE VecF32x16 load(const bf16_t* p) {
+    return {widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+  static CB_ALWAYS_INLINE VecF32x16 load(const fp16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+  }
+  template <typename T>
+  static CB_ALWAYS_INLINE VecF32x16 load_partial(const T* p, int n) {
+    alignas(64) T tmp[16] = {};
+    for (int i = 0; i < n; ++i) tmp[i] = p[i];
+    return load(tmp);
+  }
+
+  CB_ALWAYS_INLINE void store(float* p) const {
+    _mm256_storeu_ps(p, lo);
+    _mm256_storeu_ps(p + 8, hi);
+  }
+  CB_ALWAYS_INLINE void store(bf16_t* p) const {
+    __m256i packed = _mm256_packus_epi32(narrow_bf16(lo), narrow_bf16(hi));  // lanes: lo0-3 hi0-3 lo4-7 hi4-7
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+  }
+  CB_ALWAYS_INLINE void store(fp16_t* p) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  template <typename T>
+  CB_ALWAYS_INLINE void store_partial(T* p, int n) const {
+    alignas(64) T tmp[16];
+    store(tmp);
+    for (int i = 0; i < n; ++i) p[i] = tmp[i];
+  }
+
+  friend CB_ALWAYS_INLINE VecF32x16 fma(VecF32x16 a, VecF32x16 b, VecF32x16 c) {
+    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+  }
+  friend CB_ALWAYS_INLINE VecF32x16 operator+(VecF32x16 a, VecF32x16 b) {
+    return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+  }
+  friend CB_ALWAYS_INLINE VecF32x16 operator*(VecF32x16 a, VecF32x16 b) {
+    return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+  }
+  CB_ALWAYS_INLINE float reduce_add() const {
+    __m256 s = _mm256_add_ps(lo, hi);
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+  }
+
+ private:
+  static CB_ALWAYS_INLINE __m256 widen_bf16(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  // 8 floats -> 8 bf16 in the low half of each 32-bit lane (RNE, NaN quiet).
+  static CB_ALWAYS_INLINE __m256i narrow_bf16(__m256 f) {
+    __m256i u = _mm256_castps_si256(f);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+    return _mm256_blendv_epi8(r, qnan, _mm256_castps_si256(nan));
+  }
+};
+
+}  // namespace cpu_backend

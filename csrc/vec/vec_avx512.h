@@ -1,0 +1,78 @@
+// VecF32x16 on AVX-512: one __m512. Built only into _kernels_avx512.so
+// (-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c).
+#pragma once
+
+#include <immintrin.h>
+
+#include "vec_common.h"
+
+namespace cpu_backend {
+
+#define CPU_BACKEND_ISA_NAME "avx512"
+
+struct VecF32x16 {
+  __m512 v;
+
+  static CB_ALWAYS_INLINE VecF32x16 zero() { return {_mm512_setzero_ps()}; }
+  static CB_ALWAYS_INLINE VecF32x16 broadcast(float f) { return {_mm512_set1_ps(f)}; }
+
+  static CB_ALWAYS_INLINE VecF32x16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static CB_ALWAYS_INLINE VecF32x16 load(const bf16_t* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  static CB_ALWAYS_INLINE VecF32x16 load(const fp16_t* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+  // n in [0, 16]: lanes >= n are zero and their memory is not touched.
+  static CB_ALWAYS_INLINE VecF32x16 load_partial(const float* p, int n) {
+    return {_mm512_maskz_loadu_ps(mask(n), p)};
+  }
+  static CB_ALWAYS_INLINE VecF32x16 load_partial(const bf16_t* p, int n) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask(n), p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  static CB_ALWAYS_INLINE VecF32x16 load_partial(const fp16_t* p, int n) {
+    return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask(n), p))};
+  }
+
+  CB_ALWAYS_INLINE void store(float* p) const { _mm512_storeu_ps(p, v); }
+  CB_ALWAYS_INLINE void store(bf16_t* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16());
+  }
+  CB_ALWAYS_INLINE void store(fp16_t* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_fp16());
+  }
+  CB_ALWAYS_INLINE void store_partial(float* p, int n) const { _mm512_mask_storeu_ps(p, mask(n), v); }
+  CB_ALWAYS_INLINE void store_partial(bf16_t* p, int n) const {
+    _mm256_mask_storeu_epi16(p, mask(n), narrow_bf16());
+  }
+  CB_ALWAYS_INLINE void store_partial(fp16_t* p, int n) const {
+    _mm256_mask_storeu_epi16(p, mask(n), narrow_fp16());
+  }
+
+  friend CB_ALWAYS_INLINE VecF32x16 fma(VecF32x16 a, VecF32x16 b, VecF32x16 c) {
+    return {_mm512_fmadd_ps(a.v, b.v, c.v)};
+  }
+  friend CB_ALWAYS_INLINE VecF32x16 operator+(VecF32x16 a, VecF32x16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend CB_ALWAYS_INLINE VecF32x16 operator*(VecF32x16 a, VecF32x16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  CB_ALWAYS_INLINE float reduce_add() const { return _mm512_reduce_add_ps(v); }
+
+ private:
+  static CB_ALWAYS_INLINE __mmask16 mask(int n) { return __mmask16((1u << n) - 1u); }
+  // Round to nearest even in integer arithmetic (same bits as the portable
+  // path, subnormals kept), NaN -> quiet NaN.
+  CB_ALWAYS_INLINE __m256i narrow_bf16() const {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+  }
+  CB_ALWAYS_INLINE __m256i narrow_fp16() const {
+    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+};
+
+}  // namespace cpu_backend

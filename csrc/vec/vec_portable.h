@@ -1,0 +1,64 @@
+// VecF32x16 in plain C++ (float[16] loops): baseline x86-64 or any arch.
+#pragma once
+
+#include "vec_common.h"
+
+namespace cpu_backend {
+
+#define CPU_BACKEND_ISA_NAME "portable"
+
+struct VecF32x16 {
+  float v[16];
+
+  static CB_ALWAYS_INLINE VecF32x16 zero() { return broadcast(0.0f); }
+  static CB_ALWAYS_INLINE VecF32x16 broadcast(float f) {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = f;
+    return r;
+  }
+  template <typename T>
+  static CB_ALWAYS_INLINE VecF32x16 load(const T* p) {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = to_f32(p[i]);
+    return r;
+  }
+  template <typename T>
+  static CB_ALWAYS_INLINE VecF32x16 load_partial(const T* p, int n) {
+    VecF32x16 r = zero();
+    for (int i = 0; i < n; ++i) r.v[i] = to_f32(p[i]);
+    return r;
+  }
+  template <typename T>
+  CB_ALWAYS_INLINE void store(T* p) const {
+    for (int i = 0; i < 16; ++i) p[i] = from_f32<T>(v[i]);
+  }
+  template <typename T>
+  CB_ALWAYS_INLINE void store_partial(T* p, int n) const {
+    for (int i = 0; i < n; ++i) p[i] = from_f32<T>(v[i]);
+  }
+
+  friend CB_ALWAYS_INLINE VecF32x16 fma(VecF32x16 a, VecF32x16 b, VecF32x16 c) {
+    // a*b+c rounded twice unless the compiler contracts it: both are within
+    // the tolerance the tests allow for fp32 accumulation.
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];
+    return r;
+  }
+  friend CB_ALWAYS_INLINE VecF32x16 operator+(VecF32x16 a, VecF32x16 b) {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] + b.v[i];
+    return r;
+  }
+  friend CB_ALWAYS_INLINE VecF32x16 operator*(VecF32x16 a, VecF32x16 b) {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i];
+    return r;
+  }
+  CB_ALWAYS_INLINE float reduce_add() const {
+    float s = 0.0f;
+    for (int i = 0; i < 16; ++i) s += v[i];
+    return s;
+  }
+};
+
+}  // namespace cpu_backend

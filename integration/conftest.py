@@ -1,0 +1,98 @@
+"""Shared fixtures for end-to-end tests: locally built models, engines, and
+Hugging Face transformers references.
+
+Engines are expensive (~15-30 s to start here), so each test module builds the
+engines it needs once and shuts them down before the next module starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+
+import pytest
+
+# Before vLLM is imported anywhere in this process.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+
+from integration import models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_root():
+    return models.default_cache_root()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_root):
+    return str(models.tiny_llama(model_root))
+
+
+@pytest.fixture(scope="session")
+def tiny_sliding_window(model_root):
+    return str(models.tiny_sliding_window(model_root))
+
+
+@pytest.fixture(scope="session")
+def smollm2(model_root):
+    return str(models.smollm2(model_root))
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16(model_root):
+    return str(models.smollm2(model_root, dtype="bfloat16"))
+
+
+@contextlib.contextmanager
+def running_llm(model: str, **kwargs):
+    """An `LLM` that is shut down (worker processes included) on exit."""
+    from vllm import LLM
+
+    kwargs.setdefault("seed", 0)
+    kwargs.setdefault("max_model_len", 1024)
+    llm = LLM(model=model, **kwargs)
+    try:
+        yield llm
+    finally:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def greedy(llm, prompts: list[list[int]], max_tokens: int):
+    """vLLM greedy outputs for token-id prompts, in prompt order."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def hf_greedy(model: str, prompts: list[list[int]], max_tokens: int, dtype="float32"):
+    """transformers greedy continuations, one prompt at a time (no padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+    hf.eval()
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            gen = hf.generate(
+                ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                pad_token_id=0,
+            )
+            outs.append(gen[0, len(prompt):].tolist())
+    return outs
+
+
+def report(llm) -> dict:
+    """What the (single) worker ran: see CpuBackendWorker.cpu_backend_report."""
+    (rep,) = llm.collective_rpc("cpu_backend_report")
+    return rep

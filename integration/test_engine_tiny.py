@@ -1,0 +1,67 @@
+"""A tiny random Llama (fp32) through `LLM.generate`, against transformers.
+
+One engine with prefix caching on (vLLM's default) and a 16-token KV block, so
+short shared prefixes give cache hits.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from integration.conftest import greedy, hf_greedy, report, running_llm
+
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    with running_llm(tiny_llama, dtype="float32", block_size=16, enable_prefix_caching=True) as llm:
+        yield llm
+
+
+def random_prompts(lengths, vocab=700, seed=1):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def test_current_platform_is_ours():
+    from vllm.platforms import current_platform
+
+    from cpu_backend.platform import CpuBackendPlatform
+
+    assert type(current_platform) is CpuBackendPlatform
+    assert current_platform.is_cpu()
+
+
+def test_our_worker_runner_and_attention_ran(llm):
+    before = report(llm)["attention_forward_calls"]
+    greedy(llm, random_prompts([5]), max_tokens=4)
+    rep = report(llm)
+    assert rep["worker"] == "CpuBackendWorker"
+    assert rep["model_runner"] == "CpuBackendModelRunner"
+    assert rep["attention_backends"] == ["CPU_BACKEND_ATTN"]
+    assert rep["attention_impls"] == ["CpuBackendAttentionImpl"]
+    layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+    # Every layer, every step: 1 prefill + 3 decodes.
+    assert rep["attention_forward_calls"] - before == layers * 4
+
+
+def test_batch_of_different_lengths_matches_transformers(llm, tiny_llama):
+    prompts = random_prompts([1, 2, 7, 15, 16, 17, 33, 64, 100, 5], seed=2)
+    got = [o.outputs[0].token_ids for o in greedy(llm, prompts, NEW_TOKENS)]
+    want = hf_greedy(tiny_llama, prompts, NEW_TOKENS)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert list(g) == w, f"prompt {i} (len {len(prompts[i])}) diverged"
+
+
+def test_shared_prefix_hits_the_prefix_cache_and_matches(llm, tiny_llama):
+    prefix = random_prompts([48], seed=3)[0]  # 3 full blocks of 16
+    tails = random_prompts([3, 9, 1, 20], seed=4)
+    prompts = [prefix + t for t in tails]
+    greedy(llm, [prefix + [5]], max_tokens=1)  # fills the cache with the prefix
+    outs = greedy(llm, prompts, NEW_TOKENS)
+    assert all(o.num_cached_tokens >= 48 for o in outs), [o.num_cached_tokens for o in outs]
+    want = hf_greedy(tiny_llama, prompts, NEW_TOKENS)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want

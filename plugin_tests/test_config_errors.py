@@ -1,0 +1,51 @@
+"""Bad configuration fails while vLLM builds its config (before any engine or
+request), with an error naming the setting."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def build_config(model: str, **kwargs):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, skip_tokenizer_init=True, **kwargs).create_engine_config()
+
+
+def test_good_config_gets_our_worker_and_defaults(llama_config_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    cfg = build_config(llama_config_dir())
+    assert cfg.parallel_config.worker_cls == "cpu_backend.worker.cpu_worker.CpuBackendWorker"
+    assert cfg.cache_config.block_size == 64
+    assert cfg.cache_config.kv_cache_memory_bytes == 2 << 30
+    assert cfg.compilation_config.mode.name == "NONE"
+
+
+def test_user_choices_are_kept(llama_config_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # 0 = automatic
+    cfg = build_config(llama_config_dir(), block_size=32, compilation_config={"mode": 3})
+    assert cfg.cache_config.block_size == 32
+    assert cfg.compilation_config.mode.name != "NONE"
+    assert cfg.cache_config.kv_cache_memory_bytes != 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,env,match",
+    [
+        ({"block_size": 24}, {}, "--block-size 24"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, {}, "--kv-cache-dtype fp8_e5m2"),
+        ({}, {"VLLM_CPU_KVCACHE_SPACE": "lots"}, "VLLM_CPU_KVCACHE_SPACE"),
+        ({}, {"VLLM_CPU_OMP_THREADS_BIND": "0-x"}, "VLLM_CPU_OMP_THREADS_BIND"),
+        ({}, {"VLLM_CPU_SGL_KERNEL": "maybe"}, "VLLM_CPU_SGL_KERNEL"),
+    ],
+)
+def test_bad_setting_is_named(llama_config_dir, monkeypatch, kwargs, env, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=match):
+        build_config(llama_config_dir(), **kwargs)
+
+
+def test_unsupported_head_size_is_named(llama_config_dir):
+    with pytest.raises(ValueError, match="head size 48"):
+        build_config(llama_config_dir(head_dim=48))

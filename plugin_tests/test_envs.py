@@ -1,0 +1,72 @@
+"""`VLLM_CPU_*` variables: accepted values parse, bad ones name the variable."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+
+from cpu_backend import envs, isa
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("VLLM_CPU_KVCACHE_SPACE", "lots"),
+        ("VLLM_CPU_KVCACHE_SPACE", "-1"),
+        ("VLLM_CPU_KVCACHE_SPACE", "inf"),
+        ("VLLM_CPU_OMP_THREADS_BIND", "0-x"),
+        ("VLLM_CPU_OMP_THREADS_BIND", "3-1"),
+        ("VLLM_CPU_OMP_THREADS_BIND", "0-1|"),
+        ("VLLM_CPU_OMP_THREADS_BIND", "99999"),
+        ("VLLM_CPU_NUM_OF_RESERVED_CPU", "one"),
+        ("VLLM_CPU_MOE_PREPACK", "yes"),
+        ("VLLM_CPU_SGL_KERNEL", "2"),
+        ("VLLM_CPU_BACKEND_ISA", "sse9"),
+    ],
+)
+def test_bad_values_raise_naming_the_variable(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(envs.EnvError, match=name):
+        envs.validate_all()
+        isa.selected_path()
+
+
+def test_kvcache_space(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert envs.kvcache_space_bytes() is None
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    assert envs.kvcache_space_bytes() is None  # documented: 0 = automatic
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    assert envs.kvcache_space_bytes() == 4 << 30
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.5")
+    assert envs.kvcache_space_bytes() == 1 << 29
+
+
+def test_threads_bind(monkeypatch):
+    for mode in ("auto", "all", "nobind"):
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", mode)
+        assert envs.omp_threads_bind().mode == mode
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert envs.omp_threads_bind().cpu_lists == ((0,), (1,))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert envs.omp_threads_bind().cpu_lists == ((0, 1),)
+
+
+def test_isa_paths_are_ordered_and_forceable(monkeypatch):
+    supported = isa.supported_paths()
+    assert supported[-1] == "portable"
+    monkeypatch.delenv("VLLM_CPU_BACKEND_ISA", raising=False)
+    assert isa.selected_path() == supported[0]
+    monkeypatch.setenv("VLLM_CPU_BACKEND_ISA", "portable")
+    assert isa.selected_path() == "portable"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 ISA paths")
+def test_isa_detection_from_flags():
+    assert isa.supported_paths(frozenset({"avx2", "fma", "f16c"})) == ["avx2", "portable"]
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    assert isa.supported_paths(frozenset({"avx2", "fma", "f16c", *avx512})) == [
+        "avx512", "avx2", "portable",
+    ]
+    assert isa.supported_paths(frozenset({"avx2"})) == ["portable"]  # no FMA
