@@ -74,7 +74,9 @@ def greedy(llm, prompts: list[list[int]], max_tokens: int):
 
 
 def hf_greedy(model: str, prompts: list[list[int]], max_tokens: int, dtype="float32"):
-    """transformers greedy continuations, one prompt at a time (no padding)."""
+    """transformers greedy continuations: plain argmax of the logits at every
+    step, one prompt at a time (no padding, no logits processors, EOS is just
+    another token, as with vLLM's `ignore_eos`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -83,12 +85,17 @@ def hf_greedy(model: str, prompts: list[list[int]], max_tokens: int, dtype="floa
     outs = []
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
-            gen = hf.generate(
-                ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(gen[0, len(prompt):].tolist())
+            step = hf(torch.tensor([prompt]), use_cache=True)
+            new: list[int] = []
+            while True:
+                new.append(int(step.logits[0, -1].argmax()))
+                if len(new) == max_tokens:
+                    break
+                step = hf(
+                    torch.tensor([[new[-1]]]), past_key_values=step.past_key_values,
+                    use_cache=True,
+                )
+            outs.append(new)
     return outs
 
 

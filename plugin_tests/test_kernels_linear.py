@@ -1,0 +1,298 @@
+"""Native linear kernels (cpu_backend.ops.linear) against a float64 reference.
+
+Every ISA library this CPU can run (avx512, avx2, portable; amx loads the
+avx512 library) is tested in its own subprocess with VLLM_CPU_BACKEND_ISA set,
+since a process holds one kernel library. The subprocess is this file run as a
+script (`--worker ISA`); it prints one JSON line with its findings.
+
+Grid: M in {1, 2, 3, 5, 8, 17, 64, 130} x (N, K) in {(1, 16), (17, 33),
+(64, 576), (1536, 576), (576, 1536), (100, 7)} x weight dtype {bf16, fp16,
+fp32} x x dtype {bf16, fp32} x {no bias, bias}, plus edge cases (3-D and
+row-strided x, fp16 x, M = 0, K = 0, NaN, bad arguments, fake tensors and
+torch.library.opcheck).
+
+Reference: float64 matmul of the very values the kernel sees (x, W and bias
+already rounded to their dtypes), so only the kernel's own rounding is measured.
+With scale = |x| @ |W|^T + |bias| (float64), an output element must satisfy
+    fp32 out:  |y - ref| <= 2e-5 * scale
+    bf16 out:  |y - ref| <= 2^-8 * |ref| + 3e-5 * scale   (half a bf16 ulp + fp32 sums)
+    fp16 out:  |y - ref| <= 2^-11 * |ref| + 3e-5 * scale  (half an fp16 ulp + fp32 sums)
+2e-5 * scale allows fp32 accumulation over K <= 1536 (typical error
+~sqrt(K) * 6e-8 * scale) yet catches a dropped or doubled term (>= scale / K).
+The packed layout is checked exactly (through unpack_linear_weight, which
+knows the pair-interleaved bf16 panels of the avx512 build).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER_TIMEOUT_S = 240
+MS = (1, 2, 3, 5, 8, 17, 64, 130)
+NKS = ((1, 16), (17, 33), (64, 576), (1536, 576), (576, 1536), (100, 7))
+EXPECTED_LIBRARY = {"amx": "avx512", "avx512": "avx512", "avx2": "avx2", "portable": "portable"}
+
+
+# ------------------------------------------------------------- the worker ---
+
+
+def _tolerance(torch, out_dtype, ref, scale):
+    if out_dtype == torch.float32:
+        return 2e-5 * scale
+    ulp_half = 2.0**-8 if out_dtype == torch.bfloat16 else 2.0**-11
+    return ulp_half * ref.abs() + 3e-5 * scale
+
+
+def _reference(torch, x, w, bias, w64=None):
+    """(ref, scale) in float64; w64 = (W^T, |W|^T) float64 may be precomputed."""
+    wt, wt_abs = w64 if w64 is not None else (w.double().T, w.float().abs().T)
+    x64 = x.double()
+    # scale only sets tolerances: float32 is plenty (and much faster)
+    ref, scale = x64 @ wt, (x.float().abs() @ wt_abs.float()).double()
+    if bias is not None:
+        b64 = bias.double()
+        ref, scale = ref + b64, scale + b64.abs()
+    return ref, scale
+
+
+def _check(torch, y, ref, scale, want_dtype, label, failures, worst):
+    if y.dtype != want_dtype or tuple(y.shape) != tuple(ref.shape):
+        failures.append(f"{label}: got {y.dtype} {tuple(y.shape)}, want {want_dtype} {tuple(ref.shape)}")
+        return
+    err = (y.double() - ref).abs()
+    tol = _tolerance(torch, y.dtype, ref, scale)
+    if err.numel():
+        ratio = float((err / tol.clamp_min(1e-300)).max())
+        worst[str(y.dtype)] = max(worst.get(str(y.dtype), 0.0), ratio)
+        if not ratio <= 1.0:  # also catches NaN
+            failures.append(f"{label}: max err {float(err.max()):.3g}, worst err/tol {ratio:.3g}")
+
+
+def _worker_grid(torch, L, nr, failures, worst):
+    gen = torch.Generator().manual_seed(1234)
+    cases = 0
+    for n, k in NKS:
+        w32 = torch.randn(n, k, generator=gen) / k**0.5
+        b32 = torch.randn(n, generator=gen)
+        for wdtype in (torch.bfloat16, torch.float16, torch.float32):
+            w = w32.to(wdtype)
+            packed = L.pack_linear_weight(w)
+            # exact layout: [ceil(N/NR), K, NR], panel p column j = row p*NR+j, zero padded
+            p = -(-n // nr)
+            if tuple(packed.shape) != (p, k, nr) or packed.dtype != wdtype:
+                failures.append(f"pack {n}x{k} {wdtype}: shape {tuple(packed.shape)} {packed.dtype}")
+                continue
+            if not torch.equal(L.unpack_linear_weight(packed, n), w):
+                failures.append(f"pack {n}x{k} {wdtype}: layout differs")
+            if bool(L.unpack_linear_weight(packed, p * nr)[n:].ne(0).any()):
+                failures.append(f"pack {n}x{k} {wdtype}: padding is not zero")
+            bias = b32.to(wdtype)
+            b64 = bias.double()
+            w64 = w.double()
+            wt, wt_abs = w64.T.contiguous(), w.float().abs().T.contiguous()
+            for xdtype in (torch.bfloat16, torch.float32):
+                for m in MS:
+                    x = torch.randn(m, k, generator=gen).to(xdtype)
+                    ref, scale = _reference(torch, x, w, None, (wt, wt_abs))
+                    for b in (None, bias):
+                        y = L.linear(x, packed, n, b)
+                        label = f"M={m} N={n} K={k} w={wdtype} x={xdtype} bias={b is not None}"
+                        if b is None:
+                            _check(torch, y, ref, scale, xdtype, label, failures, worst)
+                        else:
+                            _check(torch, y, ref + b64, scale + b64.abs(), xdtype, label, failures, worst)
+                        cases += 1
+    return cases
+
+
+def _worker_edges(torch, L, nr, failures, worst):
+    gen = torch.Generator().manual_seed(99)
+    n, k = 45, 70
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16)
+    packed = L.pack_linear_weight(w)
+    b32 = torch.randn(n, generator=gen)
+    cases = 0
+
+    def check(x, bias, label):
+        nonlocal cases
+        y = L.linear(x, packed, n, bias)
+        x2, y2 = x.reshape(-1, k), y.reshape(-1, n)
+        if tuple(y.shape) != (*x.shape[:-1], n):
+            failures.append(f"{label}: shape {tuple(y.shape)}")
+        ref, scale = _reference(torch, x2, w, bias)
+        _check(torch, y2, ref, scale, x.dtype, label, failures, worst)
+        cases += 1
+
+    check(torch.randn(2, 3, k, generator=gen), b32, "3-D x fp32")
+    check(torch.randn(4, 1, k, generator=gen).to(torch.bfloat16), None, "3-D x bf16")
+    wide = torch.randn(9, k + 13, generator=gen)
+    check(wide[:, 5 : 5 + k], b32.to(torch.float16), "row-strided x, fp16 bias")
+    check(torch.randn(7, k, generator=gen).to(torch.float16), b32.to(torch.bfloat16), "fp16 x")
+    check(torch.randn(1, k, generator=gen).to(torch.float16), None, "fp16 x M=1")
+    check(torch.randn(k, generator=gen), b32, "1-D x")
+
+    x = torch.randn(3, k, generator=gen)
+    if not torch.equal(L.linear_reference(x, w, b32), _reference(torch, x, w, b32)[0]):
+        failures.append("linear_reference differs from x.double() @ w.double().T + b")
+
+    y = L.linear(torch.randn(0, k), packed, n)
+    if tuple(y.shape) != (0, n):
+        failures.append(f"M=0: shape {tuple(y.shape)}")
+    # K = 0: y = bias (or 0)
+    packed0 = L.pack_linear_weight(torch.zeros(n, 0))
+    y = L.linear(torch.randn(3, 0), packed0, n, b32)
+    if not torch.equal(y, b32.expand(3, n)):
+        failures.append("K=0: y != bias")
+    # inf/nan propagate
+    x = torch.randn(2, k, generator=gen)
+    x[1, 3] = float("nan")
+    y = L.linear(x, packed, n)
+    if not (bool(torch.isnan(y[1]).all()) and bool(torch.isfinite(y[0]).all())):
+        failures.append("NaN in x row 1 must make row 1 NaN and only it")
+    cases += 3
+
+    # bad arguments raise
+    bad = {
+        "wrong n": lambda: L.linear(torch.randn(2, k), packed, n + nr),
+        "wrong K": lambda: L.linear(torch.randn(2, k + 1), packed, n),
+        "wrong bias": lambda: L.linear(torch.randn(2, k), packed, n, torch.randn(n + 1)),
+        "int x": lambda: L.linear(torch.ones(2, k, dtype=torch.int32), packed, n),
+        "3-D weight": lambda: L.pack_linear_weight(torch.randn(2, 3, 4)),
+        "not packed": lambda: L.linear(torch.randn(2, k), w, n),
+    }
+    for label, call in bad.items():
+        try:
+            call()
+            failures.append(f"{label}: no error")
+        except RuntimeError:
+            pass
+        cases += 1
+
+    # fake tensors (torch.compile tracing): shapes without running the kernel
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fx = mode.from_tensor(torch.randn(5, 3, k))
+        fw = mode.from_tensor(torch.randn(n, k))
+        fp = torch.ops.cpu_backend.pack_linear_weight(fw)
+        fy = torch.ops.cpu_backend.linear(fx, fp, n, None)
+        if tuple(fp.shape) != (-(-n // nr), k, nr) or tuple(fy.shape) != (5, 3, n):
+            failures.append(f"fake: {tuple(fp.shape)} {tuple(fy.shape)}")
+    # schema, fake and AOT-dispatch checks of torch.library
+    for op, op_args in (
+        (torch.ops.cpu_backend.linear.default, (torch.randn(3, k).to(torch.bfloat16), packed, n, b32)),
+        (torch.ops.cpu_backend.pack_linear_weight.default, (w,)),
+    ):
+        for check_name, outcome in torch.library.opcheck(op, op_args).items():
+            if outcome != "SUCCESS":
+                failures.append(f"opcheck {op}: {check_name}: {outcome}")
+    cases += 1
+    return cases
+
+
+def _worker(expected_isa: str) -> dict:
+    import torch
+
+    from cpu_backend import ops
+    from cpu_backend.ops import linear as L
+
+    loaded = ops.load()
+    failures: list[str] = []
+    worst: dict[str, float] = {}
+    nr = L.pack_nr()
+    cases = _worker_grid(torch, L, nr, failures, worst)
+    cases += _worker_edges(torch, L, nr, failures, worst)
+    return {
+        "selected": expected_isa,
+        "loaded": loaded,
+        "op_isa": str(torch.ops.cpu_backend.isa()),
+        "nr": nr,
+        "cases": cases,
+        "worst_err_over_tol": worst,
+        "failures": failures[:50],
+        "n_failures": len(failures),
+    }
+
+
+# -------------------------------------------------------------- the tests ---
+
+
+def _supported_paths() -> list[str]:
+    from cpu_backend import isa
+
+    return isa.supported_paths()
+
+
+_workers: dict[str, subprocess.Popen] = {}
+
+
+def _start_worker(isa_path: str) -> subprocess.Popen:
+    import cpu_backend
+
+    env = dict(os.environ)
+    env["VLLM_CPU_BACKEND_ISA"] = isa_path
+    # the worker imports the same cpu_backend copy as this process
+    package_parent = str(Path(cpu_backend.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [sys.executable, __file__, "--worker", isa_path],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _run_worker(isa_path: str) -> dict:
+    """The worker's findings; all ISA workers start together on first use."""
+    if not _workers:
+        for path in EXPECTED_LIBRARY:
+            if path in _supported_paths():
+                _workers[path] = _start_worker(path)
+    proc = _workers[isa_path]
+    try:
+        stdout, stderr = proc.communicate(timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{isa_path} worker timed out after {WORKER_TIMEOUT_S}s:\n{stderr}")
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{stdout}\n{stderr}"
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("isa_path", ["amx", "avx512", "avx2", "portable"])
+def test_linear_kernels_match_reference(isa_path):
+    if isa_path not in _supported_paths():
+        pytest.skip(f"this CPU has no {isa_path}")
+    result = _run_worker(isa_path)
+    assert result["loaded"] == EXPECTED_LIBRARY[isa_path] == result["op_isa"], result
+    assert result["cases"] > 500
+    assert result["n_failures"] == 0, "\n".join(result["failures"])
+
+
+def test_import_is_cheap():
+    """`import cpu_backend.ops` must not import torch (the kernels load lazily)."""
+    code = "import sys, cpu_backend, cpu_backend.ops; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_missing_library_error(tmp_path):
+    """No library for the selected ISA: a clear error naming the fix."""
+    code = (
+        "import cpu_backend.ops as o\n"
+        "o.library_file = lambda lib: None\n"
+        "try:\n    o.load()\nexcept o.KernelsNotBuilt as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "pip install --no-build-isolation" in out.stdout
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
+    print(json.dumps(_worker(sys.argv[2])))
