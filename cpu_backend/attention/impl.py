@@ -2,9 +2,13 @@
 `vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl`.
 
 The KV-cache write (`do_kv_cache_update`) runs before `forward`, so `forward`
-reads every key and value, new ones included, from the paged cache; a prefill
-with no cached prefix reads the fresh key/value tensors instead (same values,
-no gather).
+reads every key and value, new ones included, from the paged cache.
+
+Compute path: the native kernel (`cpu_backend.ops.attention`, one call per
+layer for the whole batch) when the cache has the model's dtype and the layer
+shape is covered; otherwise the PyTorch path (`paged_torch`: batched decode,
+one SDPA per prefilling request; a prefill with no cached prefix reads the
+fresh key/value tensors instead of gathering them).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionTy
 
 from cpu_backend.attention import paged_torch
 from cpu_backend.attention.backend import CpuBackendAttentionMetadata
+from cpu_backend.ops import attention as native
 
 
 class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
@@ -62,6 +67,15 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
             ),
         )
 
+        self._native: bool | None = None  # decided at the first forward
+
+    def _use_native(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        if self._native is None:
+            self._native = kv_cache.dtype == query.dtype and native.supports(
+                self.head_size, self.num_heads, self.num_kv_heads, kv_cache.shape[2]
+            )
+        return self._native
+
     def do_kv_cache_update(
         self,
         layer: torch.nn.Module,
@@ -70,7 +84,10 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        paged_torch.write_kv(key, value, kv_cache, slot_mapping)
+        if self._use_native(key, kv_cache):
+            native.write_kv_cache(key, value, kv_cache, slot_mapping)
+        else:
+            paged_torch.write_kv(key, value, kv_cache, slot_mapping)
 
     def forward(
         self,
@@ -90,8 +107,16 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
         if attn_metadata is None:  # profiling run
             return output
         type(self).forward_calls += 1
-        key_cache, value_cache = paged_torch.split_kv_cache(kv_cache)
         md = attn_metadata
+        if self._use_native(query, kv_cache):
+            num_tokens = md.token_req.shape[0]
+            native.paged_attention(
+                output[:num_tokens], query[:num_tokens], kv_cache, md.block_table,
+                md.token_req, md.token_pos, self.scale, self.params.window,
+                self.params.softcap, self.params.alibi_slopes,
+            )
+            return output
+        key_cache, value_cache = paged_torch.split_kv_cache(kv_cache)
 
         if md.num_decodes:
             if md.decodes_are_leading:

@@ -1,7 +1,8 @@
 """Our worker: replaces the host's `vllm.v1.worker.cpu_worker.CPUWorker`.
 
 It subclasses the host worker, which keeps memory-node checks, KV sizing and
-the executor protocol, and overrides `init_device` to build our model runner.
+the executor protocol, and overrides `init_device` to register our layer
+overrides (native linear kernels) and build our model runner.
 NUMA/OpenMP binding and the memory profiler grow here.
 """
 
@@ -16,6 +17,8 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
+from cpu_backend import ops
+from cpu_backend.ops.linear_layers import register_layers
 from cpu_backend.worker.model_runner import CpuBackendModelRunner
 
 logger = init_logger(f"vllm.{__name__}")
@@ -39,6 +42,8 @@ class CpuBackendWorker(CPUWorker):
             current_platform.dist_backend,
         )
         set_random_seed(self.model_config.seed)
+        # Before the model is built: its layers are instantiated from these.
+        register_layers()
         if self.use_v2_model_runner:
             # The V2 runner is the host's; our attention backend still serves it.
             from vllm.v1.worker.cpu.model_runner import CPUModelRunner as HostV2Runner
@@ -63,11 +68,22 @@ class CpuBackendWorker(CPUWorker):
         the classes in use and how often our attention ran in this process."""
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
         from cpu_backend.attention.impl import CpuBackendAttentionImpl
 
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        model = self.model_runner.get_model()
         return {
+            "kernels_isa": ops.loaded_isa(),
+            "linear_methods": sorted(
+                {type(m.quant_method).__name__ for m in model.modules()
+                 if isinstance(m, (LinearBase, ParallelLMHead))}
+            ),
+            "attention_native": sorted(
+                {bool(getattr(layer.impl, "_native", False)) for layer in layers.values()}
+            ),
             "worker": type(self).__qualname__,
             "model_runner": type(self.model_runner).__qualname__,
             "attention_backends": sorted(

@@ -9,6 +9,8 @@
 namespace cpu_backend {
 
 #define CPU_BACKEND_ISA_NAME "avx512"
+// bf16 weights are packed pair-interleaved and multiplied with VDPBF16PS.
+#define CPU_BACKEND_HAS_DPBF16 1
 
 struct VecF32x16 {
   __m512 v;
@@ -51,6 +53,13 @@ struct VecF32x16 {
     _mm256_mask_storeu_epi16(p, mask(n), narrow_fp16());
   }
 
+  // p: 16 columns x 2 k as bf16 pairs [c0k0 c0k1 c1k0 c1k1 ...]: k0 -> *even, k1 -> *odd.
+  static CB_ALWAYS_INLINE void load_pairs(const bf16_t* p, VecF32x16* even, VecF32x16* odd) {
+    __m512i u = _mm512_loadu_si512(p);
+    even->v = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+    odd->v = _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(int(0xffff0000u))));
+  }
+
   friend CB_ALWAYS_INLINE VecF32x16 fma(VecF32x16 a, VecF32x16 b, VecF32x16 c) {
     return {_mm512_fmadd_ps(a.v, b.v, c.v)};
   }
@@ -74,5 +83,21 @@ struct VecF32x16 {
     return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
 };
+
+// 16 lanes of bf16 pairs (32 bf16) for VDPBF16PS.
+struct VecBF16x32 {
+  __m512i v;
+  static CB_ALWAYS_INLINE VecBF16x32 load(const bf16_t* p) { return {_mm512_loadu_si512(p)}; }
+  // 16 bf16 as pairs (x, 0): the odd row of a panel whose K is odd
+  static CB_ALWAYS_INLINE VecBF16x32 load_zero_odd(const bf16_t* p) {
+    return {_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+  static CB_ALWAYS_INLINE VecBF16x32 broadcast_pair(uint32_t pair) { return {_mm512_set1_epi32(int(pair))}; }
+};
+
+// acc[i] += a.k0[i] * b.k0[i] + a.k1[i] * b.k1[i]  (fp32 accumulate)
+static CB_ALWAYS_INLINE VecF32x16 dot2_bf16(VecF32x16 acc, VecBF16x32 a, VecBF16x32 b) {
+  return {_mm512_dpbf16_ps(acc.v, (__m512bh)a.v, (__m512bh)b.v)};
+}
 
 }  // namespace cpu_backend

@@ -1,0 +1,40 @@
+// The ops every kernel library exports; registered in registration.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace cpu_backend {
+
+// Which build this library is: "avx512" | "avx2" | "portable".
+std::string isa();
+
+// Output features per packed panel (NR) in this build.
+int64_t linear_pack_nr();
+
+// Whether pack_linear_weight interleaves pairs of K rows for this dtype
+// (bf16 on the avx512 build, for VDPBF16PS); see linear.cpp.
+bool linear_pack_pairs(at::ScalarType dtype);
+
+// weight [N, K] (bf16/fp16/fp32) -> [ceil(N/NR), K, NR], same dtype, zero padded.
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+
+// y[..., n] = x[..., K] @ W^T + bias, W given packed; y has x's dtype.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t n,
+                  const std::optional<at::Tensor>& bias);
+
+// Paged attention (attention.cpp): query token t of request token_req[t] at
+// position token_pos[t] attends that request's cached keys up to token_pos[t].
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& block_table, const at::Tensor& token_req,
+                     const at::Tensor& token_pos, double scale, int64_t sliding_window,
+                     double softcap, const std::optional<at::Tensor>& alibi_slopes);
+
+// key/value [tokens, kv_heads, head_size] into their slots; slot < 0 is skipped.
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                    const at::Tensor& slot_mapping);
+
+}  // namespace cpu_backend
