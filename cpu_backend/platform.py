@@ -100,6 +100,26 @@ class CpuBackendPlatform(CpuPlatform):
         return ATTENTION_BACKEND_QUALNAME
 
     @classmethod
+    def import_ir_kernels(cls) -> None:
+        super().import_ir_kernels()
+        import cpu_backend.ops.norm  # noqa: F401 - registers the `cpu_backend` provider
+
+    @classmethod
+    def get_default_ir_op_priority(cls, vllm_config: VllmConfig):
+        """Our RMSNorm kernels first in eager mode; with torch.compile the
+        host's choice (native, which Inductor fuses) stands."""
+        from vllm.config import CompilationMode
+
+        priority = super().get_default_ir_op_priority(vllm_config)
+        if vllm_config.compilation_config.mode == CompilationMode.NONE:
+            from cpu_backend.ops.norm import PROVIDER
+
+            for op in ("rms_norm", "fused_add_rms_norm"):
+                current = getattr(priority, op)
+                setattr(priority, op, [PROVIDER, *[p for p in current if p != PROVIDER]])
+        return priority
+
+    @classmethod
     def apply_config_platform_defaults(cls, vllm_config: VllmConfig) -> None:
         from vllm.config import CompilationMode
 

@@ -37,4 +37,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                     const at::Tensor& slot_mapping);
 
+// RMSNorm (norm.cpp), rounding like vLLM's native rms_norm. x: [rows, hidden].
+void rms_norm(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+              double eps);
+// In place: residual <- x + residual; x <- rms_norm(that sum).
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const std::optional<at::Tensor>& weight,
+                        double eps);
+
 }  // namespace cpu_backend

@@ -15,6 +15,8 @@ TORCH_LIBRARY(cpu_backend, m) {
       "Tensor token_req, Tensor token_pos, float scale, int sliding_window, float softcap, "
       "Tensor? alibi_slopes) -> ()");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor? weight, float eps) -> ()");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor? weight, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cpu_backend, CPU, m) {
@@ -22,4 +24,6 @@ TORCH_LIBRARY_IMPL(cpu_backend, CPU, m) {
   m.impl("linear", &cpu_backend::linear);
   m.impl("paged_attention", &cpu_backend::paged_attention);
   m.impl("write_kv_cache", &cpu_backend::write_kv_cache);
+  m.impl("rms_norm", &cpu_backend::rms_norm);
+  m.impl("fused_add_rms_norm", &cpu_backend::fused_add_rms_norm);
 }

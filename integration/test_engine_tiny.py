@@ -47,6 +47,8 @@ def test_our_worker_runner_and_attention_ran(llm):
     assert rep["kernels_isa"] in ("avx512", "avx2", "portable")
     assert rep["attention_native"] == [True]
     assert rep["linear_methods"] == ["CpuBackendLMHeadMethod", "CpuBackendLinearMethod"]
+    for providers in rep["rms_norm_providers"].values():
+        assert providers[0] == "cpu_backend"
     layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
     # Every layer, every step: 1 prefill + 3 decodes.
     assert rep["attention_forward_calls"] - before == layers * 4

@@ -18,12 +18,14 @@ bf16/fp16, only in the final rounding of the output):
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+try:
+    from plugin_tests.isa_worker import ISA_PATHS, run_worker
+except ImportError:  # run as the worker script
+    ISA_PATHS, run_worker = [], None
 
 TOL = {"float32": 1e-5, "bfloat16": 1.6e-2, "float16": 2e-3}
 # head_size, num_heads, num_kv_heads, block_size
@@ -93,24 +95,9 @@ def _worker() -> dict:
     return {"isa": isa, "failures": failures, "worst": worst}
 
 
-def _supported_isas() -> list[str]:
-    from cpu_backend import isa
-
-    return [p for p in isa.supported_paths() if p != "amx"]
-
-
-@pytest.mark.parametrize("isa_path", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("isa_path", ISA_PATHS)
 def test_native_attention_matches_reference(isa_path):
-    if isa_path not in _supported_isas():
-        pytest.skip(f"this CPU cannot run {isa_path}")
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--worker"],
-        env={**os.environ, "VLLM_CPU_BACKEND_ISA": isa_path}, capture_output=True, text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["isa"] == isa_path
+    result = run_worker(__file__, isa_path)
     assert result["failures"] == [], result["failures"][:20]
     print(isa_path, "worst abs error by dtype:", result["worst"])
 

@@ -66,6 +66,7 @@ class CpuBackendWorker(CPUWorker):
     def cpu_backend_report(self) -> dict:
         """What this worker runs, for `LLM.collective_rpc("cpu_backend_report")`:
         the classes in use and how often our attention ran in this process."""
+        from vllm import ir
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
         from vllm.model_executor.layers.linear import LinearBase
@@ -81,6 +82,9 @@ class CpuBackendWorker(CPUWorker):
                 {type(m.quant_method).__name__ for m in model.modules()
                  if isinstance(m, (LinearBase, ParallelLMHead))}
             ),
+            "rms_norm_providers": {
+                op: getattr(ir.ops, op).get_priority() for op in ("rms_norm", "fused_add_rms_norm")
+            },
             "attention_native": sorted(
                 {bool(getattr(layer.impl, "_native", False)) for layer in layers.values()}
             ),
