@@ -14,7 +14,8 @@ platform's own hooks, exactly what we own:
   `VLLM_CPU_*` variables, with errors naming the setting, at start-up;
 - defaults: eager execution (torch.compile costs ~1 min of start-up on a CPU
   and is opt-in with `--compilation-config '{"mode": 3}'`), a smaller KV block
-  and a KV-cache size that does not refuse to start on a busy machine.
+  and (in the worker) a KV-cache size that does not refuse to start on a
+  busy machine.
 """
 
 from __future__ import annotations
@@ -41,9 +42,6 @@ ATTENTION_BACKEND_QUALNAME = "cpu_backend.attention.backend.CpuBackendAttentionB
 WORKER_QUALNAME = "cpu_backend.worker.cpu_worker.CpuBackendWorker"
 DEFAULT_BLOCK_SIZE = 64
 BLOCK_SIZE_MULTIPLE = 16
-# Used when KV space is automatic and the host's 0.92-of-total rule does not fit.
-_FALLBACK_KV_FRACTION_OF_AVAILABLE = 0.25
-_FALLBACK_KV_MAX_BYTES = 4 << 30
 
 
 def _register_attention_backend_name() -> AttentionBackendEnum:
@@ -205,40 +203,15 @@ def _translate_threads_bind_all() -> None:
 
 
 def _size_kv_cache(vllm_config: VllmConfig) -> None:
-    """KV-cache bytes: `VLLM_CPU_KVCACHE_SPACE` (GiB; 0 = automatic) or
-    `--kv-cache-memory-bytes`; automatic uses the host's rule (a share of total
-    memory per `--gpu-memory-utilization`) when that much is free, else a
-    smaller size with a warning instead of refusing to start."""
-    import psutil
-
+    """`VLLM_CPU_KVCACHE_SPACE` (GiB; 0 = automatic) or `--kv-cache-memory-bytes`.
+    Automatic sizing happens in the worker (cpu_backend.worker.memory)."""
     cache_config = vllm_config.cache_config
     explicit = envs.kvcache_space_bytes()
     if explicit is not None:
         cache_config.kv_cache_memory_bytes = explicit
-        return
-    if os.environ.get(envs.KVCACHE_SPACE, "").strip():
+    elif os.environ.get(envs.KVCACHE_SPACE, "").strip():
         # "0": the host parsed it as 0 bytes; it means automatic.
         cache_config.kv_cache_memory_bytes = None
-    if cache_config.kv_cache_memory_bytes is not None:
-        return
-    memory = psutil.virtual_memory()
-    wanted = memory.total * cache_config.gpu_memory_utilization
-    if wanted <= memory.available:
-        return  # the host's worker sizes it
-    fallback = int(
-        min(_FALLBACK_KV_MAX_BYTES, memory.available * _FALLBACK_KV_FRACTION_OF_AVAILABLE)
-    )
-    logger.warning(
-        "Only %.1f GiB of %.1f GiB memory is free, less than "
-        "--gpu-memory-utilization=%.2f asks for; using %.2f GiB for the KV cache. "
-        "Set %s (GiB) to choose.",
-        memory.available / (1 << 30),
-        memory.total / (1 << 30),
-        cache_config.gpu_memory_utilization,
-        fallback / (1 << 30),
-        envs.KVCACHE_SPACE,
-    )
-    cache_config.kv_cache_memory_bytes = fallback
 
 
 _logged = False
@@ -250,8 +223,8 @@ def _log_choice_once(vllm_config: VllmConfig) -> None:
         return
     _logged = True
     logger.info(
-        "cpu_backend: platform=%s attention=%s worker=%s isa=%s kernels=torch-ops "
-        "block_size=%d compile_mode=%s",
+        "cpu_backend: platform=%s attention=%s worker=%s isa=%s kernels=native "
+        "(linear, attention, rms_norm) block_size=%d compile_mode=%s",
         CpuBackendPlatform.__name__,
         ATTENTION_BACKEND_NAME,
         vllm_config.parallel_config.worker_cls.rsplit(".", 1)[-1],

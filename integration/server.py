@@ -36,10 +36,21 @@ class Server:
             return r.read().decode()
 
 
+def _env(overrides: dict | None) -> dict:
+    """os.environ with `overrides` applied; a None value removes the variable."""
+    env = dict(os.environ)
+    for key, value in (overrides or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
 def run_vllm(args: list[str], env: dict | None = None, timeout: float = 180):
     """Run `vllm ARGS` to completion: (exit code, combined output)."""
     proc = subprocess.run(
-        [VLLM, *args], env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+        [VLLM, *args], env=_env(env), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, timeout=timeout,
     )
     return proc.returncode, proc.stdout
@@ -52,7 +63,7 @@ def serve(model: str, *args: str, env: dict | None = None):
     log_file = tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(
         [VLLM, "serve", model, "--host", "127.0.0.1", "--port", str(port), *args],
-        env={**os.environ, **(env or {})}, stdout=log_file, stderr=subprocess.STDOUT,
+        env=_env(env), stdout=log_file, stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     server = Server(proc, port, Path(log_file.name))

@@ -70,3 +70,12 @@ def test_isa_detection_from_flags():
         "avx512", "avx2", "portable",
     ]
     assert isa.supported_paths(frozenset({"avx2"})) == ["portable"]  # no FMA
+
+
+def test_fallback_kv_size_only_when_the_host_rule_does_not_fit():
+    from cpu_backend.worker.memory import fallback_kv_bytes
+
+    gib = 1 << 30
+    assert fallback_kv_bytes(total=24 * gib, available=23 * gib, utilization=0.9) is None
+    assert fallback_kv_bytes(total=24 * gib, available=8 * gib, utilization=0.92) == 2 * gib
+    assert fallback_kv_bytes(total=64 * gib, available=40 * gib, utilization=0.92) == 4 * gib

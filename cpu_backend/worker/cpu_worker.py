@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import set_random_seed
@@ -19,12 +20,19 @@ from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
 from cpu_backend import ops
 from cpu_backend.ops.linear_layers import register_layers
+from cpu_backend.worker.memory import size_kv_cache_if_unset
 from cpu_backend.worker.model_runner import CpuBackendModelRunner
 
 logger = init_logger(f"vllm.{__name__}")
 
 
 class CpuBackendWorker(CPUWorker):
+    def __init__(self, vllm_config: VllmConfig, *args, **kwargs) -> None:
+        # Before the host's __init__, which refuses to start when the automatic
+        # size does not fit in free memory.
+        size_kv_cache_if_unset(vllm_config)
+        super().__init__(vllm_config, *args, **kwargs)
+
     def init_device(self) -> None:
         self.device = torch.device("cpu")
         # The CPU communicator names its shared-memory segments after this.
