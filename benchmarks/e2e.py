@@ -223,6 +223,7 @@ def run_one(run: dict, folder: Path, args, logs: Path) -> dict:
     if eager:
         cmd.append("--enforce-eager")
     log_path = logs / f"{run['name']}.log"
+    started = dt.datetime.now(dt.timezone.utc).strftime("%H:%M")
     t0 = time.perf_counter()
     result: dict = {}
     with open(log_path, "w") as fh:
@@ -251,7 +252,8 @@ def run_one(run: dict, folder: Path, args, logs: Path) -> dict:
     isa = [ln.split("cpu_backend: ", 1)[1] for ln in text.splitlines() if "cpu_backend: platform=" in ln]
     if isa:
         result["cpu_backend_line"] = isa[-1]
-    result.update(run, backend_label=label, dtype=dtype, wall_s=wall, log=str(log_path.relative_to(REPO)))
+    result.update(run, backend_label=label, dtype=dtype, wall_s=wall, started=started,
+                  log=str(log_path.relative_to(REPO)))
     # Did the environment really pick the backend we meant?
     plat = result.get("engine", {}).get("platform")
     if result.get("ok") and plat:
@@ -330,7 +332,11 @@ def write_report(state: dict, quick: bool) -> None:
              f"{cp_text} GB/s. "
              f"The roofline uses the highest, **{bw:.1f} GB/s** (other jobs on this shared machine only "
              "lower it): roofline decode rate = bandwidth / weight bytes read per token. torch.sum is "
-             "not a perfect peak: a decode that reads its weights faster shows above 100%.")
+             "not a perfect peak: a decode that reads its weights faster shows above 100%. "
+             f"The checkpoints range {min(c['median'] for c in cps) if cps else float('nan'):.1f}–"
+             f"{max(c['median'] for c in cps) if cps else float('nan'):.1f} GB/s: on this VM the available "
+             "bandwidth itself drifts over minutes, so % of roofline is approximate and every rate "
+             "carries that noise.")
     L.append("- Environment for both backends: `VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 "
              "HF_HUB_OFFLINE=1`; ours: `VLLM_PLUGINS` unset; in-tree: `VLLM_PLUGINS=none`. Each run is a "
              "fresh process; otherwise each backend at its defaults (`LLM(model, dtype, seed=0)`).")
@@ -342,6 +348,9 @@ def write_report(state: dict, quick: bool) -> None:
              f"median; throughput = {n_prompts} random 128-token prompts × 128 output tokens in one "
              "`generate` call after a warm-up call (like `vllm bench throughput --dataset-name random "
              f"--random-input-len 128 --random-output-len 128 --num-prompts {n_prompts}`).")
+    for mg in state.get("merged", []):
+        L.append(f"- Re-run and merged in on {mg['date']} (`--merge`): {', '.join(mg['runs'])}; the "
+                 "installed package and the machine's load may differ from the other runs.")
     L.append("- Ratios are ours / in-tree: above 1 is better for ↑ rows, below 1 is better for ↓ rows.")
     L.append("- Qwen2.5-0.5B-shape: Qwen2ForCausalLM with Qwen2.5-0.5B's exact shapes (24 layers, hidden "
              "896, intermediate 4864, 14/2 heads, head_dim 64, vocab 151936, tied embeddings, qkv bias), "
@@ -351,13 +360,13 @@ def write_report(state: dict, quick: bool) -> None:
     # Overview: one row per run.
     L.append("## All runs\n")
     L.append("| model | backend | status | start s | TTFT ms | decode tok/s | throughput tok/s | run wall s "
-             "| mem BW before run, GB/s |")
-    L.append("|---|---|---|---:|---:|---:|---:|---:|---:|")
+             "| mem BW before run, GB/s | started (UTC) |")
+    L.append("|---|---|---|---:|---:|---:|---:|---:|---:|---|")
     for r in runs:
         m = metrics(r, state["weights"][r["model"]], bw)
         L.append(f"| {MODELS[r['model']][0]} | {r['backend_label']} | {status(r)} | {fmt(m['start'])} | "
                  f"{fmt(m['ttft'], '.0f')} | {fmt(m['decode'])} | {fmt(m['tput'])} | {fmt(r.get('wall_s'), '.0f')} | "
-                 f"{fmt(r.get('mem_bw_gbs'))} |")
+                 f"{fmt(r.get('mem_bw_gbs'))} | {r.get('started', '')} |")
     L.append("")
 
     # Per model: side by side.
@@ -526,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extended", action="store_true",
                     help="also SmolLM2 fp32 and Qwen-shape enforce_eager on the in-tree backend (~+10 min)")
     ap.add_argument("--only", default="", help="comma-separated run names, model keys or backend keys")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other runs of the existing results; replace only the runs run now")
     ap.add_argument("--report-only", action="store_true",
                     help="only re-render the .md and .png from the .json (with --quick: e2e_quick.*)")
     args = ap.parse_args(argv)
@@ -547,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         weights[mkey] = weight_bytes(folders[mkey], MODELS[mkey][2])
         log(f"{mkey}: {folders[mkey]} ({weights[mkey] / 1e6:.1f} MB of weights per token)")
 
-    logs = RESULTS / "e2e_logs" / ("quick" if args.quick else "full")
+    logs = RESULTS / "e2e_logs" / ("quick" if args.quick else "full") / time.strftime("%Y%m%d-%H%M%S")
     logs.mkdir(parents=True, exist_ok=True)
     def checkpoint(when: str, reps: int) -> float:
         samples = memory_bandwidth(reps=reps)
@@ -556,8 +567,9 @@ def main(argv: list[str] | None = None) -> int:
         log(f"memory bandwidth {when}: median {med:.1f} GB/s")
         return med
 
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     state = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": now,
         "quick": args.quick,
         "machine": machine_info(),
         "bandwidth": {"checkpoints": []},
@@ -565,7 +577,18 @@ def main(argv: list[str] | None = None) -> int:
         "folders": {k: str(v) for k, v in folders.items()},
         "runs": [],
     }
-    checkpoint("before", 9)
+    json_path = RESULTS / f"{stem(args.quick)}.json"
+    if args.merge and json_path.is_file():  # keep the other runs of the last report
+        old = json.loads(json_path.read_text())
+        names = {r["name"] for r in runs}
+        old["bandwidth"] = {"checkpoints": bw_checkpoints(old)}
+        old["weights"].update(weights)
+        old["folders"].update(state["folders"])
+        old["runs"] = [r for r in old["runs"] if r["name"] not in names]
+        old["merged"] = old.get("merged", []) + [{"date": now, "runs": sorted(names)}]
+        old["machine"] = state["machine"]
+        state = old
+    checkpoint("before" if not args.merge else f"before merge {now}", 9)
     save(state, args.quick)
     for i, run in enumerate(runs):
         bw_now = checkpoint(f"before {run['name']}", 5) if i else state["bandwidth"]["checkpoints"][0]["median"]
@@ -573,12 +596,14 @@ def main(argv: list[str] | None = None) -> int:
         res = run_one(run, folders[run["model"]], args, logs)
         res["mem_bw_gbs"] = bw_now
         state["runs"].append(res)
+        order = {(m, b): (i, j) for i, m in enumerate(MODELS) for j, b in enumerate(BACKENDS)}
+        state["runs"].sort(key=lambda r: order[(r["model"], r["backend"])])
         summary = "ok" if res.get("ok") else f"FAILED ({res.get('error', '?')[:200]})"
         log(f"  {summary}: start {fmt(res.get('start_s'))} s, ttft {fmt((res.get('ttft_s') or 0) * 1e3, '.0f')} ms, "
             f"decode {fmt(res.get('decode_tok_s'))} tok/s, throughput {fmt(res.get('throughput_out_tok_s'))} tok/s, "
             f"wall {res['wall_s']:.0f} s")
         save(state, args.quick)
-    checkpoint("after", 9)
+    checkpoint("after" if not args.merge else f"after merge {now}", 9)
     save(state, args.quick)
     log(f"wrote {RESULTS / stem(args.quick)}.md, .png and .json")
     print((RESULTS / f"{stem(args.quick)}.md").read_text())

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <limits>
 
+#include "dtype.h"
 #include "ops.h"
 #include "vec/vec.h"
 
@@ -32,21 +33,6 @@ namespace {
 constexpr int kMaxHeadSize = 256;
 constexpr int kMaxGroup = 16;  // query heads per kv head
 constexpr int kMaxBlockSize = 256;
-
-template <typename T>
-struct Ptr;
-template <>
-struct Ptr<float> {
-  using type = float;
-};
-template <>
-struct Ptr<at::BFloat16> {
-  using type = bf16_t;
-};
-template <>
-struct Ptr<at::Half> {
-  using type = fp16_t;
-};
 
 struct Params {
   int64_t num_tokens, num_heads, num_kv_heads, head_size, block_size;
@@ -136,13 +122,12 @@ void attend_token(const Params& P, const T* q, const T* kv_cache, const int32_t*
   }
 }
 
-template <typename Scalar>
+template <typename T>
 void run(const Params& P, at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
          const at::Tensor& block_table, const at::Tensor& token_req, const at::Tensor& token_pos) {
-  using T = typename Ptr<Scalar>::type;
-  const T* q = reinterpret_cast<const T*>(query.data_ptr<Scalar>());
-  const T* kv = reinterpret_cast<const T*>(kv_cache.data_ptr<Scalar>());
-  T* o = reinterpret_cast<T*>(out.data_ptr<Scalar>());
+  const T* q = data_as<const T>(query);
+  const T* kv = data_as<const T>(kv_cache);
+  T* o = data_as<T>(out);
   const int32_t* bt = block_table.data_ptr<int32_t>();
   const int32_t* req = token_req.data_ptr<int32_t>();
   const int32_t* pos = token_pos.data_ptr<int32_t>();
@@ -201,12 +186,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     TORCH_CHECK(alibi.numel() == P.num_heads, "paged_attention: one ALiBi slope per head");
     P.alibi = alibi.data_ptr<float>();
   }
-  switch (query.scalar_type()) {
-    case at::kFloat: run<float>(P, out, query, kv_cache, block_table, token_req, token_pos); break;
-    case at::kBFloat16: run<at::BFloat16>(P, out, query, kv_cache, block_table, token_req, token_pos); break;
-    case at::kHalf: run<at::Half>(P, out, query, kv_cache, block_table, token_req, token_pos); break;
-    default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", query.scalar_type());
-  }
+  dispatch_float(query.scalar_type(), "paged_attention query", [&](auto tag) {
+    run<typename decltype(tag)::type>(P, out, query, kv_cache, block_table, token_req, token_pos);
+  });
 }
 
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,

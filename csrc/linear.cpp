@@ -25,6 +25,7 @@
 #include <vector>
 #include <utility>
 
+#include "dtype.h"
 #include "ops.h"
 #include "vec/vec.h"
 
@@ -287,37 +288,6 @@ void run_linear(const typename Kern::AT* ap, const WT* wp, const float* bias, OT
       }
     }
   });
-}
-
-template <typename T>
-struct CType;
-template <>
-struct CType<float> {
-  using type = float;
-};
-template <>
-struct CType<c10::BFloat16> {
-  using type = bf16_t;
-};
-template <>
-struct CType<c10::Half> {
-  using type = fp16_t;
-};
-
-// Calls f(tag) with tag's ::type the kernel element type for dtype.
-template <typename F>
-void dispatch_float(at::ScalarType dtype, const char* what, F&& f) {
-  switch (dtype) {
-    case at::kFloat:
-      return f(CType<float>{});
-    case at::kBFloat16:
-      return f(CType<c10::BFloat16>{});
-    case at::kHalf:
-      return f(CType<c10::Half>{});
-    default:
-      TORCH_CHECK(false, "cpu_backend::linear: ", what, " must be float32, bfloat16 or float16, got ",
-                  dtype);
-  }
 }
 
 bool is_supported_float(at::ScalarType t) {

@@ -14,26 +14,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "dtype.h"
 #include "ops.h"
 #include "vec/vec.h"
 
 namespace cpu_backend {
 namespace {
-
-template <typename T>
-struct Elem;
-template <>
-struct Elem<float> {
-  using type = float;
-};
-template <>
-struct Elem<at::BFloat16> {
-  using type = bf16_t;
-};
-template <>
-struct Elem<at::Half> {
-  using type = fp16_t;
-};
 
 // Round fp32 lanes to T and back (identity for fp32).
 template <typename T>
@@ -66,17 +52,16 @@ void normalize_row(const float* buf, const T* weight, float eps, int64_t H, T* o
   }
 }
 
-template <typename Scalar>
+template <typename T>
 void run(const at::Tensor& x, at::Tensor* residual, const std::optional<at::Tensor>& weight,
          double eps, at::Tensor& out) {
-  using T = typename Elem<Scalar>::type;
   const int64_t H = x.size(-1), rows = x.numel() / std::max<int64_t>(H, 1);
   const int64_t xs = x.stride(0), os = out.stride(0);
   const int64_t rs = residual ? residual->stride(0) : 0;
-  const T* xp = reinterpret_cast<const T*>(x.data_ptr<Scalar>());
-  T* op = reinterpret_cast<T*>(out.data_ptr<Scalar>());
-  T* rp = residual ? reinterpret_cast<T*>(residual->data_ptr<Scalar>()) : nullptr;
-  const T* wp = weight ? reinterpret_cast<const T*>(weight->data_ptr<Scalar>()) : nullptr;
+  const T* xp = data_as<const T>(x);
+  T* op = data_as<T>(out);
+  T* rp = residual ? data_as<T>(*residual) : nullptr;
+  const T* wp = weight ? data_as<const T>(*weight) : nullptr;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(H);
     for (int64_t r = begin; r < end; ++r) {
@@ -100,18 +85,6 @@ void check(const at::Tensor& x, const std::optional<at::Tensor>& weight, const c
   TORCH_CHECK(!weight.has_value() || (weight->is_contiguous() && weight->numel() == x.size(1) &&
                                       weight->scalar_type() == x.scalar_type()),
               op, ": weight must be contiguous [hidden] with x's dtype");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-                  x.scalar_type() == at::kHalf,
-              op, ": unsupported dtype ", x.scalar_type());
-}
-
-template <typename F>
-void dispatch(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(at::BFloat16{}); break;
-    default: f(at::Half{}); break;
-  }
 }
 
 }  // namespace
@@ -121,7 +94,9 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tens
   check(x, weight, "rms_norm");
   TORCH_CHECK(out.sizes() == x.sizes() && out.stride(1) == 1 && out.scalar_type() == x.scalar_type(),
               "rms_norm: out must match x");
-  dispatch(x.scalar_type(), [&](auto s) { run<decltype(s)>(x, nullptr, weight, eps, out); });
+  dispatch_float(x.scalar_type(), "rms_norm x", [&](auto tag) {
+    run<typename decltype(tag)::type>(x, nullptr, weight, eps, out);
+  });
 }
 
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const std::optional<at::Tensor>& weight,
@@ -130,7 +105,9 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const std::optional
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 &&
                   residual.scalar_type() == x.scalar_type(),
               "fused_add_rms_norm: residual must match x");
-  dispatch(x.scalar_type(), [&](auto s) { run<decltype(s)>(x, &residual, weight, eps, x); });
+  dispatch_float(x.scalar_type(), "fused_add_rms_norm x", [&](auto tag) {
+    run<typename decltype(tag)::type>(x, &residual, weight, eps, x);
+  });
 }
 
 }  // namespace cpu_backend

@@ -49,50 +49,43 @@ def _packable(layer: torch.nn.Module) -> bool:
     )
 
 
-def _pack(layer: torch.nn.Module) -> None:
-    layer.cpu_backend_packed_weight = kernels.pack_linear_weight(layer.weight.data)
-    layer.cpu_backend_out_features = layer.weight.shape[0]
+class _PackedGemm:
+    """Mixed into a host method: pack the weight at load, run our kernel.
+    Layers we cannot pack keep the host method's own path."""
 
+    keeps_original_weight = False
 
-def _apply(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None):
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    return kernels.linear(
-        x, layer.cpu_backend_packed_weight, layer.cpu_backend_out_features, bias
-    )
-
-
-class CpuBackendLinearMethod(host_linear.UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not _packable(layer):
             super().process_weights_after_loading(layer)
             return
-        _pack(layer)
-        # The packed copy is the only one used from now on; free the original
-        # as the host's CPU path does.
-        layer.weight = torch.nn.Parameter(
-            torch.empty(0, dtype=layer.weight.dtype), requires_grad=False
+        layer.cpu_backend_packed_weight = kernels.pack_linear_weight(layer.weight.data)
+        layer.cpu_backend_out_features = layer.weight.shape[0]
+        if not self.keeps_original_weight:
+            # Only the packed copy is used from now on; free the original as
+            # the host's CPU path does.
+            layer.weight = torch.nn.Parameter(
+                torch.empty(0, dtype=layer.weight.dtype), requires_grad=False
+            )
+
+    def apply(self, layer, x, bias=None):
+        if not hasattr(layer, "cpu_backend_packed_weight"):
+            return super().apply(layer, x, bias)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return kernels.linear(
+            x, layer.cpu_backend_packed_weight, layer.cpu_backend_out_features, bias
         )
 
-    def apply(self, layer, x, bias=None):
-        if not hasattr(layer, "cpu_backend_packed_weight"):
-            return super().apply(layer, x, bias)
-        return _apply(layer, x, bias)
+
+class CpuBackendLinearMethod(_PackedGemm, host_linear.UnquantizedLinearMethod):
+    pass
 
 
-class CpuBackendLMHeadMethod(host_vocab.UnquantizedEmbeddingMethod):
+class CpuBackendLMHeadMethod(_PackedGemm, host_vocab.UnquantizedEmbeddingMethod):
     """The LM head's logits GEMM; the weight stays (tied embeddings read it)."""
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if not _packable(layer):
-            super().process_weights_after_loading(layer)
-            return
-        _pack(layer)
-
-    def apply(self, layer, x, bias=None):
-        if not hasattr(layer, "cpu_backend_packed_weight"):
-            return super().apply(layer, x, bias)
-        return _apply(layer, x, bias)
+    keeps_original_weight = True
 
 
 def _swapping_subclass(base: type, host_method: type, ours: type) -> type:
