@@ -1,7 +1,8 @@
 """End-to-end benchmark: our backend vs the host's in-tree CPU backend, side by side.
 
     .venv/bin/python -m benchmarks.e2e [--quick] [--extended] [--timeout 900]
-                                       [--no-host-eager] [--only NAME[,NAME...]]
+                                       [--no-host-eager] [--only NAME[,NAME...]] [--merge]
+                                       [--report-only]
 
 Every (backend, model, dtype) runs in a fresh subprocess (``benchmarks/e2e_worker.py``)
 with the ``vllm.LLM`` API. The backend is chosen through the environment only:
@@ -591,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint("before" if not args.merge else f"before merge {now}", 9)
     save(state, args.quick)
     for i, run in enumerate(runs):
-        bw_now = checkpoint(f"before {run['name']}", 5) if i else state["bandwidth"]["checkpoints"][0]["median"]
+        bw_now = checkpoint(f"before {run['name']}", 5) if i else state["bandwidth"]["checkpoints"][-1]["median"]
         log(f"run {run['name']} ...")
         res = run_one(run, folders[run["model"]], args, logs)
         res["mem_bw_gbs"] = bw_now
