@@ -33,7 +33,13 @@ class BuildPyWithPth(build_py):
         self.copy_file(str(ROOT / "cpu_backend" / PTH), str(Path(self.build_lib) / PTH))
 
 
-SOURCES = ["csrc/attention.cpp", "csrc/linear.cpp", "csrc/norm.cpp", "csrc/registration.cpp"]
+SOURCES = [
+    "csrc/attention.cpp",
+    "csrc/kv_cache.cpp",
+    "csrc/linear.cpp",
+    "csrc/norm.cpp",
+    "csrc/registration.cpp",
+]
 DEPENDS = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*.h"))]
 # -g0: Python's CFLAGS add -g, which doubles compile time and .so size.
 # -Wno-maybe-uninitialized: GCC 12 false positives on _mm512_undefined_*().

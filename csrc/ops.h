@@ -28,14 +28,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t 
 
 // Paged attention (attention.cpp): query token t of request token_req[t] at
 // position token_pos[t] attends that request's cached keys up to token_pos[t].
+// kv_format: kv_format.h (k_scale/v_scale: per-tensor scales of fp8 formats).
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& block_table, const at::Tensor& token_req,
                      const at::Tensor& token_pos, double scale, int64_t sliding_window,
-                     double softcap, const std::optional<at::Tensor>& alibi_slopes);
+                     double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                     int64_t kv_format, double k_scale, double v_scale);
 
-// key/value [tokens, kv_heads, head_size] into their slots; slot < 0 is skipped.
+// key/value [tokens, kv_heads, head_size] into their slots in the cache's
+// format (kv_cache.cpp); slot < 0 is skipped.
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                    const at::Tensor& slot_mapping);
+                    const at::Tensor& slot_mapping, int64_t kv_format, double k_scale, double v_scale);
 
 // RMSNorm (norm.cpp), rounding like vLLM's native rms_norm. x: [rows, hidden].
 void rms_norm(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& weight,

@@ -13,8 +13,10 @@ TORCH_LIBRARY(cpu_backend, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, "
       "Tensor token_req, Tensor token_pos, float scale, int sliding_window, float softcap, "
-      "Tensor? alibi_slopes) -> ()");
-  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+      "Tensor? alibi_slopes, int kv_format=0, float k_scale=1.0, float v_scale=1.0) -> ()");
+  m.def(
+      "write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+      "int kv_format=0, float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor? weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor? weight, float eps) -> ()");
 }

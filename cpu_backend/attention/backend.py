@@ -10,12 +10,14 @@ the per-step metadata and the compute path: our native kernel
 
 Paged KV with block tables; prefill, decode, mixed batches (chunked prefill),
 prefix-cache hits (a request whose first tokens are already cached is a
-prefill with `context_len > 0`), GQA/MQA, sliding window, soft-cap, ALiBi.
+prefill with `context_len > 0`), GQA/MQA, sliding window, soft-cap, ALiBi,
+and every KV-cache dtype of `cpu_backend.kv_cache` (fp8 and int8 included,
+on every ISA: the host refuses fp8 KV without AVX-512).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -26,7 +28,12 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from vllm.utils.torch_utils import get_dtype_size
+from vllm.v1.kv_cache_interface import AttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from cpu_backend import kv_cache
+from cpu_backend.kv_cache.base import SCALE_BYTES
 
 NAME = "CPU_BACKEND_ATTN"
 
@@ -39,9 +46,19 @@ class CpuBackendAttentionBackend(AttentionBackend):
         torch.bfloat16,
         torch.float16,
     ]
-    # "auto" stores the model dtype; the others store that dtype and compute in
-    # float32. Quantized KV dtypes come with the KV-cache dtype handlers.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float16"]
+    # One handler per dtype (cpu_backend.kv_cache): float, fp8 with per-tensor
+    # scales, int8/fp8 with per-(token, head) scales.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(kv_cache.SUPPORTED)
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """Per-(token, head) quantized dtypes keep two fp32 scales after each
+        row's key and value bytes: the page grows by 8 bytes per row."""
+        if spec.state_content_bytes is not None or not spec.kv_quant_mode.is_per_token_head:
+            return spec
+        elem = get_dtype_size(spec.dtype)
+        content = (spec.head_size + spec.head_size_v) * elem + SCALE_BYTES
+        return replace(spec, state_content_bytes=content)
 
     @staticmethod
     def get_name() -> str:

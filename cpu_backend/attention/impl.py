@@ -4,11 +4,17 @@
 The KV-cache write (`do_kv_cache_update`) runs before `forward`, so `forward`
 reads every key and value, new ones included, from the paged cache.
 
+The KV-cache dtype (`--kv-cache-dtype`) is served by a handler from
+`cpu_backend.kv_cache` (float, fp8 with per-tensor scales, int8/fp8 with
+per-(token, head) scales): quantized on the cache write, dequantized inside
+the attention kernel.
+
 Compute path: the native kernel (`cpu_backend.ops.attention`, one call per
-layer for the whole batch) when the cache has the model's dtype and the layer
-shape is covered; otherwise the PyTorch path (`paged_torch`: batched decode,
-one SDPA per prefilling request; a prefill with no cached prefix reads the
-fresh key/value tensors instead of gathering them).
+layer for the whole batch) when the layer shape is covered and the cache is
+either quantized or in the model's dtype; otherwise the PyTorch path
+(`paged_torch`: batched decode, one SDPA per prefilling request; a prefill
+with no cached prefix reads the fresh key/value tensors instead of
+gathering them).
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionTy
 
 from cpu_backend.attention import paged_torch
 from cpu_backend.attention.backend import CpuBackendAttentionMetadata
+from cpu_backend.kv_cache import handler_for
 from cpu_backend.ops import attention as native
+
+
+def _tensor_scales(layer) -> tuple[float, float]:
+    """The layer's per-tensor KV scales (vLLM's Attention sets both, 1.0
+    unless the checkpoint has them)."""
+    return float(getattr(layer, "_k_scale_float", 1.0)), float(getattr(layer, "_v_scale_float", 1.0))
 
 
 class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
@@ -53,6 +66,7 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.kv_handler = handler_for(kv_cache_dtype)
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.sliding_window = sliding_window
@@ -71,7 +85,8 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
 
     def _use_native(self, query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         if self._native is None:
-            self._native = kv_cache.dtype == query.dtype and native.supports(
+            cache_ok = self.kv_handler.quantized or kv_cache.dtype == query.dtype
+            self._native = cache_ok and native.supports(
                 self.head_size, self.num_heads, self.num_kv_heads, kv_cache.shape[2]
             )
         return self._native
@@ -84,10 +99,15 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
+        k_scale, v_scale = _tensor_scales(layer)
         if self._use_native(key, kv_cache):
-            native.write_kv_cache(key, value, kv_cache, slot_mapping)
+            native.write_kv_cache(
+                key, value, kv_cache, slot_mapping, self.kv_handler.kernel_format, k_scale, v_scale
+            )
         else:
-            paged_torch.write_kv(key, value, kv_cache, slot_mapping)
+            paged_torch.write_kv(
+                key, value, kv_cache, slot_mapping, self.kv_handler, k_scale, v_scale
+            )
 
     def forward(
         self,
@@ -108,15 +128,19 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
             return output
         type(self).forward_calls += 1
         md = attn_metadata
+        k_scale, v_scale = _tensor_scales(layer)
         if self._use_native(query, kv_cache):
             num_tokens = md.token_req.shape[0]
             native.paged_attention(
                 output[:num_tokens], query[:num_tokens], kv_cache, md.block_table,
                 md.token_req, md.token_pos, self.scale, self.params.window,
                 self.params.softcap, self.params.alibi_slopes,
+                self.kv_handler.kernel_format, k_scale, v_scale,
             )
             return output
-        key_cache, value_cache = paged_torch.split_kv_cache(kv_cache)
+        key_cache, value_cache = paged_torch.kv_sources(
+            kv_cache, self.head_size, self.kv_handler, k_scale, v_scale
+        )
 
         if md.num_decodes:
             if md.decodes_are_leading:

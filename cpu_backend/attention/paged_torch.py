@@ -2,9 +2,11 @@
 reference that native kernels are tested against.
 
 KV-cache layout (vLLM's `KVCacheLayout.LBHNC`, one tensor per layer):
-`[num_blocks, num_kv_heads, block_size, 2 * head_size]`, the last axis holding a
-token's key then its value. Positions are absolute token indices in a request;
-slot = block_id * block_size + position % block_size.
+`[num_blocks, num_kv_heads, block_size, row]`, a row holding a token's key then
+its value (then two fp32 scales for per-row quantized dtypes; the dtype
+handlers in `cpu_backend.kv_cache` say how rows are stored). Positions are
+absolute token indices in a request; slot = block_id * block_size + position
+% block_size.
 
 Masking rules, as in vLLM and transformers:
 - causal: a query at position p sees keys at positions t <= p;
@@ -20,6 +22,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from cpu_backend.kv_cache import KVCacheDtypeHandler, handler_for
+from cpu_backend.kv_cache.base import SCALE_BYTES
+
+PLAIN = handler_for("auto")
 
 
 @dataclass(frozen=True)
@@ -39,9 +46,50 @@ class AttentionParams:
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key and value views `[num_blocks, num_kv_heads, block_size, head_size]`."""
+    """Key and value views `[num_blocks, num_kv_heads, block_size, head_size]`
+    of a float cache (no scales)."""
     head_size = kv_cache.shape[-1] // 2
     return kv_cache[..., :head_size], kv_cache[..., head_size:]
+
+
+class DequantizedCache:
+    """Keys (or values) of a quantized cache, dequantized to float32 on read:
+    `cache[block_ids]` -> `[..., num_kv_heads, block_size, head_size]`."""
+
+    def __init__(self, stored, row_scales, handler: KVCacheDtypeHandler, tensor_scale: float):
+        self.stored, self.row_scales = stored, row_scales
+        self.handler, self.tensor_scale = handler, tensor_scale
+        self.shape = stored.shape
+
+    def __getitem__(self, block_ids: torch.Tensor) -> torch.Tensor:
+        scales = self.row_scales[block_ids] if self.row_scales is not None else None
+        return self.handler.dequantize(self.stored[block_ids], scales, self.tensor_scale)
+
+
+def _row_scales(kv_cache: torch.Tensor, head_size: int) -> torch.Tensor:
+    """The fp32 (key, value) scales after each row: `[..., 2]`."""
+    tail = kv_cache[..., 2 * head_size : 2 * head_size + SCALE_BYTES]
+    return tail.view(torch.uint8).view(torch.float32)
+
+
+def kv_sources(
+    kv_cache: torch.Tensor,
+    head_size: int,
+    handler: KVCacheDtypeHandler = PLAIN,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+):
+    """What `decode`/`gather_kv` read keys and values from: views of a float
+    cache, or `DequantizedCache`s of a quantized one."""
+    key = kv_cache[..., :head_size]
+    value = kv_cache[..., head_size : 2 * head_size]
+    if not handler.quantized:
+        return key, value
+    scales = _row_scales(kv_cache, head_size) if handler.per_row_scales else None
+    return (
+        DequantizedCache(key, scales[..., 0] if scales is not None else None, handler, k_scale),
+        DequantizedCache(value, scales[..., 1] if scales is not None else None, handler, v_scale),
+    )
 
 
 def write_kv(
@@ -49,10 +97,13 @@ def write_kv(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    handler: KVCacheDtypeHandler = PLAIN,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store `key`/`value` `[num_tokens, num_kv_heads, head_size]` at their slots.
-
-    Negative slots mark padding tokens and are skipped.
+    """Store `key`/`value` `[num_tokens, num_kv_heads, head_size]` at their
+    slots, quantized by `handler`. Negative slots mark padding tokens and are
+    skipped.
     """
     num_tokens = slot_mapping.shape[0]
     key, value = key[:num_tokens], value[:num_tokens]
@@ -63,14 +114,18 @@ def write_kv(
     head_size = key.shape[-1]
     slots = slot_mapping.long()
     blocks, offsets = slots // block_size, slots % block_size
+    k, k_rows = handler.quantize(key, k_scale, kv_cache.dtype)
+    v, v_rows = handler.quantize(value, v_scale, kv_cache.dtype)
     # Advanced indices on dims 0 and 2 put the token axis first: [T, H, D].
-    kv_cache[blocks, :, offsets, :head_size] = key.to(kv_cache.dtype)
-    kv_cache[blocks, :, offsets, head_size:] = value.to(kv_cache.dtype)
+    kv_cache[blocks, :, offsets, :head_size] = k
+    kv_cache[blocks, :, offsets, head_size : 2 * head_size] = v
+    if handler.per_row_scales:
+        scales = torch.stack([k_rows, v_rows], dim=-1).contiguous()  # [T, H, 2] fp32
+        tail = slice(2 * head_size, 2 * head_size + SCALE_BYTES)
+        kv_cache[blocks, :, offsets, tail] = scales.view(torch.uint8).view(kv_cache.dtype)
 
 
-def gather_kv(
-    cache: torch.Tensor, block_ids: torch.Tensor, length: int
-) -> torch.Tensor:
+def gather_kv(cache, block_ids: torch.Tensor, length: int) -> torch.Tensor:
     """Keys (or values) of one request: `[num_kv_heads, length, head_size]`."""
     blocks = cache[block_ids]  # [nb, H, bs, D]
     num_heads, head_size = blocks.shape[1], blocks.shape[3]
@@ -130,8 +185,8 @@ def attend_explicit(
 
 def decode(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache,
+    value_cache,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     max_seq_len: int,
@@ -147,7 +202,7 @@ def decode(
     block_ids = block_table[:, :num_blocks]
     num_reqs, num_kv_heads, head_size = query.shape[0], key_cache.shape[1], key_cache.shape[3]
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # [R, Hkv, nb*bs, D]
+    def gather(cache) -> torch.Tensor:  # [R, Hkv, nb*bs, D]
         return cache[block_ids].transpose(1, 2).reshape(num_reqs, num_kv_heads, -1, head_size)
 
     query_pos = (seq_lens - 1).view(num_reqs, 1)

@@ -1,14 +1,17 @@
 """Paged attention and KV-cache write on the native kernels (csrc/attention.cpp).
 
-    write_kv_cache(key, value, kv_cache, slot_mapping)
+    write_kv_cache(key, value, kv_cache, slot_mapping, kv_format, k_scale, v_scale)
     paged_attention(out, query, kv_cache, block_table, token_req, token_pos,
-                    scale, sliding_window, softcap, alibi_slopes)
+                    scale, sliding_window, softcap, alibi_slopes,
+                    kv_format, k_scale, v_scale)
 
 Each query token t attends the keys of request `token_req[t]` at positions
 max(0, token_pos[t] - window + 1) .. token_pos[t]: one call serves decode,
 prefill, chunked prefill and prefix hits. Layouts and masking rules are those
 of `cpu_backend.attention.paged_torch`, the reference these kernels are tested
-against.
+against. `kv_format` is a KV-cache dtype handler's `kernel_format`
+(`cpu_backend.kv_cache`, csrc/kv_format.h); `k_scale`/`v_scale` are the
+layer's per-tensor scales, used by the fp8 formats.
 """
 
 from __future__ import annotations
@@ -37,11 +40,15 @@ def supports(head_size: int, num_heads: int, num_kv_heads: int, block_size: int)
     )
 
 
-def write_kv_cache(key, value, kv_cache, slot_mapping) -> None:
+def write_kv_cache(
+    key, value, kv_cache, slot_mapping, kv_format: int = 0, k_scale: float = 1.0, v_scale: float = 1.0
+) -> None:
     load()
     import torch
 
-    torch.ops.cpu_backend.write_kv_cache(key, value, kv_cache, slot_mapping.long())
+    torch.ops.cpu_backend.write_kv_cache(
+        key, value, kv_cache, slot_mapping.long(), int(kv_format), float(k_scale), float(v_scale)
+    )
 
 
 def paged_attention(
@@ -55,6 +62,9 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    kv_format: int = 0,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     load()
     import torch
@@ -62,4 +72,5 @@ def paged_attention(
     torch.ops.cpu_backend.paged_attention(
         out, query, kv_cache, block_table, token_req, token_pos, float(scale),
         int(sliding_window or 0), float(softcap or 0.0), alibi_slopes,
+        int(kv_format), float(k_scale), float(v_scale),
     )

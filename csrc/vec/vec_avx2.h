@@ -28,6 +28,22 @@ struct VecF32x16 {
     return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
   }
+  static CB_ALWAYS_INLINE VecF32x16 load(const fp8_e5m2_t* p) {
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(load16(p)), 8);
+    return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
+  }
+  static CB_ALWAYS_INLINE VecF32x16 load(const fp8_e4m3_t* p) {
+    const __m256i b = _mm256_cvtepu8_epi16(load16(p));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+    const __m256 k = _mm256_set1_ps(256.0f);
+    return {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k),
+            _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k)};
+  }
+  static CB_ALWAYS_INLINE VecF32x16 load(const int8_t* p) {
+    const __m128i b = load16(p);
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+  }
   template <typename T>
   static CB_ALWAYS_INLINE VecF32x16 load_partial(const T* p, int n) {
     alignas(64) T tmp[16] = {};
@@ -72,6 +88,7 @@ struct VecF32x16 {
   }
 
  private:
+  static CB_ALWAYS_INLINE __m128i load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
   static CB_ALWAYS_INLINE __m256 widen_bf16(__m128i h) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }

@@ -26,6 +26,18 @@ struct VecF32x16 {
   static CB_ALWAYS_INLINE VecF32x16 load(const fp16_t* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
+  static CB_ALWAYS_INLINE VecF32x16 load(const fp8_e5m2_t* p) {
+    return {_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(load16(p)), 8))};
+  }
+  static CB_ALWAYS_INLINE VecF32x16 load(const fp8_e4m3_t* p) {
+    const __m256i b = _mm256_cvtepu8_epi16(load16(p));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+    return {_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f))};
+  }
+  static CB_ALWAYS_INLINE VecF32x16 load(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(p)))};
+  }
   // n in [0, 16]: lanes >= n are zero and their memory is not touched.
   static CB_ALWAYS_INLINE VecF32x16 load_partial(const float* p, int n) {
     return {_mm512_maskz_loadu_ps(mask(n), p)};
@@ -68,6 +80,7 @@ struct VecF32x16 {
   CB_ALWAYS_INLINE float reduce_add() const { return _mm512_reduce_add_ps(v); }
 
  private:
+  static CB_ALWAYS_INLINE __m128i load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
   static CB_ALWAYS_INLINE __mmask16 mask(int n) { return __mmask16((1u << n) - 1u); }
   // Round to nearest even in integer arithmetic (same bits as the portable
   // path, subnormals kept), NaN -> quiet NaN.

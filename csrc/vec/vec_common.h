@@ -16,6 +16,15 @@ struct bf16_t {
 struct fp16_t {
   uint16_t x;
 };
+// One-byte KV-cache elements (csrc/kv_format.h). e4m3 is the OCP "fn"
+// variant (torch.float8_e4m3fn): no infinities, 0x7f/0xff are NaN; caches are
+// written saturated, so NaN never reaches the readers below.
+struct fp8_e5m2_t {
+  uint8_t x;
+};
+struct fp8_e4m3_t {
+  uint8_t x;
+};
 
 static inline uint32_t f32_bits(float f) {
   uint32_t u;
@@ -78,6 +87,14 @@ static inline fp16_t to_fp16(float f) {
   return fp16_t{uint16_t(sign | (r >> 13))};
 }
 
+// e5m2 is the top byte of an IEEE half: exact.
+static inline float to_f32(fp8_e5m2_t v) { return to_f32(fp16_t{uint16_t(v.x << 8)}); }
+// e4m3 (bias 7) placed in a half's exponent/mantissa (bias 15) is 2^-8 of the
+// value, subnormals included: exact for every non-NaN byte.
+static inline float to_f32(fp8_e4m3_t v) {
+  return to_f32(fp16_t{uint16_t(((v.x & 0x80u) << 8) | ((v.x & 0x7fu) << 7))}) * 256.0f;
+}
+static inline float to_f32(int8_t v) { return float(v); }
 static inline float to_f32(float v) { return v; }
 template <typename T>
 static inline T from_f32(float v);
