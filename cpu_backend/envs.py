@@ -8,7 +8,6 @@ before any request is taken. Reads are not cached: tests and the host change
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -40,20 +39,23 @@ def _raw(name: str) -> str | None:
 
 
 def kvcache_space_bytes() -> int | None:
-    """KV-cache size from `VLLM_CPU_KVCACHE_SPACE` (GiB); None means automatic.
+    """KV-cache size from `VLLM_CPU_KVCACHE_SPACE` (whole GiB); None means automatic.
 
     As documented for vLLM's CPU backend, 0 (the default) means automatic.
+    Whole numbers only: the host parses the variable with int() in every
+    process. Finer sizes: `--kv-cache-memory-bytes`.
     """
     value = _raw(KVCACHE_SPACE)
     if value is None:
         return None
-    try:
-        gib = float(value)
-    except ValueError:
-        gib = math.nan
-    if not (math.isfinite(gib) and gib >= 0):
-        raise EnvError(KVCACHE_SPACE, value, "a size in GiB >= 0 (0 = automatic), e.g. 4")
-    return None if gib == 0 else int(gib * _GiB)
+    if not value.strip().isdigit():
+        raise EnvError(
+            KVCACHE_SPACE, value,
+            "a whole number of GiB >= 0 (0 = automatic), e.g. 4; "
+            "for other sizes use --kv-cache-memory-bytes",
+        )
+    gib = int(value)
+    return None if gib == 0 else gib * _GiB
 
 
 def parse_cpu_list(text: str) -> list[int]:

@@ -39,8 +39,9 @@ def test_kvcache_space(monkeypatch):
     assert envs.kvcache_space_bytes() is None  # documented: 0 = automatic
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     assert envs.kvcache_space_bytes() == 4 << 30
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.5")
-    assert envs.kvcache_space_bytes() == 1 << 29
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.5")  # the host int()s it in every process
+    with pytest.raises(envs.EnvError, match="--kv-cache-memory-bytes"):
+        envs.kvcache_space_bytes()
 
 
 def test_threads_bind(monkeypatch):
@@ -70,12 +71,3 @@ def test_isa_detection_from_flags():
         "avx512", "avx2", "portable",
     ]
     assert isa.supported_paths(frozenset({"avx2"})) == ["portable"]  # no FMA
-
-
-def test_fallback_kv_size_only_when_the_host_rule_does_not_fit():
-    from cpu_backend.worker.memory import fallback_kv_bytes
-
-    gib = 1 << 30
-    assert fallback_kv_bytes(total=24 * gib, available=23 * gib, utilization=0.9) is None
-    assert fallback_kv_bytes(total=24 * gib, available=8 * gib, utilization=0.92) == 2 * gib
-    assert fallback_kv_bytes(total=64 * gib, available=40 * gib, utilization=0.92) == 4 * gib

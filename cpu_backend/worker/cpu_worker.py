@@ -1,13 +1,18 @@
 """Our worker: replaces the host's `vllm.v1.worker.cpu_worker.CPUWorker`.
 
-It subclasses the host worker, which keeps memory-node checks, KV sizing and
-the executor protocol, and overrides `init_device` to register our layer
-overrides (native linear kernels) and build our model runner.
-NUMA/OpenMP binding and the memory profiler grow here.
+It subclasses the host worker, which keeps the memory-node binding and the
+executor protocol, and overrides:
+- `init_device`: registers our layer overrides (native linear kernels) and
+  builds our model runner;
+- `determine_available_memory`: our KV-cache sizing (`cpu_backend.worker.memory`:
+  a profiled activation peak, container limits, clear errors before anything
+  is allocated) instead of the host's 0.92-of-the-node rule, which refuses to
+  start on machines where other processes hold memory.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -20,7 +25,7 @@ from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
 from cpu_backend import ops
 from cpu_backend.ops.linear_layers import register_layers
-from cpu_backend.worker.memory import size_kv_cache_if_unset
+from cpu_backend.worker import memory
 from cpu_backend.worker.model_runner import CpuBackendModelRunner
 
 logger = init_logger(f"vllm.{__name__}")
@@ -28,10 +33,18 @@ logger = init_logger(f"vllm.{__name__}")
 
 class CpuBackendWorker(CPUWorker):
     def __init__(self, vllm_config: VllmConfig, *args, **kwargs) -> None:
-        # Before the host's __init__, which refuses to start when the automatic
-        # size does not fit in free memory.
-        size_kv_cache_if_unset(vllm_config)
-        super().__init__(vllm_config, *args, **kwargs)
+        cache_config = vllm_config.cache_config
+        # None: automatic sizing, done in determine_available_memory. The host's
+        # __init__ refuses to start unless 0.92 of the node is free when it sees
+        # None, so it is shown a placeholder for the duration of that call.
+        self.requested_kv_bytes = cache_config.kv_cache_memory_bytes
+        self.kv_plan: memory.KVPlan | None = None
+        if self.requested_kv_bytes is None:
+            cache_config.kv_cache_memory_bytes = 0
+        try:
+            super().__init__(vllm_config, *args, **kwargs)
+        finally:
+            cache_config.kv_cache_memory_bytes = self.requested_kv_bytes
 
     def init_device(self) -> None:
         self.device = torch.device("cpu")
@@ -71,6 +84,27 @@ class CpuBackendWorker(CPUWorker):
         # Our runner's warm-up is one small step in eager mode: always worth it.
         return True
 
+    def determine_available_memory(self) -> int:
+        """KV-cache bytes for this rank (see cpu_backend.worker.memory)."""
+        self.model_runner.warming_up_model()
+        specs = self.model_runner.get_kv_cache_spec()
+        if not specs:
+            return 0
+        block_size = self.cache_config.block_size
+        bytes_per_token = sum(s.page_size_bytes / s.block_size for s in specs.values())
+        activation_peak = self.model_runner.profile_activation_peak()
+        self.kv_plan = memory.plan_kv_cache(
+            memory.read_memory(memory.worker_memory_node()),
+            requested=self.requested_kv_bytes,
+            utilization=self.cache_config.gpu_memory_utilization,
+            activation_peak=activation_peak,
+            bytes_per_block=math.ceil(bytes_per_token * block_size),
+            block_size=block_size,
+            max_model_len=self.model_config.max_model_len,
+        )
+        logger.info("cpu_backend rank %d: %s", self.rank, self.kv_plan.summary())
+        return self.kv_plan.kv_bytes
+
     def cpu_backend_report(self) -> dict:
         """What this worker runs, for `LLM.collective_rpc("cpu_backend_report")`:
         the classes in use and how often our attention ran in this process."""
@@ -103,4 +137,21 @@ class CpuBackendWorker(CPUWorker):
             ),
             "attention_impls": sorted({type(layer.impl).__qualname__ for layer in layers.values()}),
             "attention_forward_calls": CpuBackendAttentionImpl.forward_calls,
+            "memory": self._memory_report(model),
+        }
+
+    def _memory_report(self, model) -> dict:
+        """Bytes: what the KV plan saw and what the process holds now."""
+        plan = self.kv_plan
+        kv_tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                      for t in self.model_runner.kv_caches if isinstance(t, torch.Tensor)}
+        return {
+            "weights": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "kv_allocated": sum(kv_tensors.values()),
+            "kv_planned": plan.kv_bytes if plan else None,
+            "kv_source": plan.source if plan else None,
+            "num_blocks": plan.num_blocks if plan else None,
+            "activation_peak": plan.activation_peak if plan else None,
+            "rss_at_plan": plan.readings.rss if plan else None,
+            "rss_now": memory.rss_bytes(),
         }
