@@ -72,6 +72,11 @@ def test_dockerfile_steps_are_the_ones_ci_runs(dockerfile):
             assert (REPO / path).exists(), f"COPY source {path} missing"
 
 
+def test_build_context_leaves_out_environments_and_build_output():
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".venv", ".cache", "build", "**/*.so"} <= set(ignored)
+
+
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_every_cpu_variable_is_a_documented_build_arg(dockerfile):
     from cpu_backend import envs
