@@ -24,7 +24,7 @@ log() { printf '[build_steps] %s\n' "$*" >&2; }
 
 pip_install() {
   local py=$1; shift
-  "$py" -m pip install --no-cache-dir --disable-pip-version-check \
+  "$py" -m pip install --disable-pip-version-check \
     ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "$@"
 }
 

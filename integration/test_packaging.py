@@ -59,12 +59,14 @@ def _env(venv: Path | None = None) -> dict:
     return env
 
 
-def _run(*argv, venv: Path | None = None, **kw) -> str:
+def _run(*argv, venv: Path | None = None, merge_stderr: bool = True) -> str:
+    """stdout (with stderr unless `merge_stderr` is False) of a command that must succeed."""
     proc = subprocess.run(
-        [str(a) for a in argv], env=_env(venv), cwd="/", text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw,
+        [str(a) for a in argv], env=_env(venv), cwd="/", text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
     )
-    assert proc.returncode == 0, f"{argv} exited {proc.returncode}:\n{proc.stdout[-6000:]}"
+    output = proc.stdout + (proc.stderr or "")
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}:\n{output[-6000:]}"
     return proc.stdout
 
 
@@ -96,7 +98,7 @@ def built(tmp_path_factory):
     try:
         builder_py = _new_venv(work / "builder-venv")
         _run(STEPS, "builder-deps", builder_py, REPO)
-        out = _run(STEPS, "wheel", builder_py, REPO, work / "dist")
+        out = _run(STEPS, "wheel", builder_py, REPO, work / "dist", merge_stderr=False)
         wheel = Path(out.strip().splitlines()[-1])
         assert host.wait(timeout=1800) == 0, host_log.read_text()[-6000:]
     finally:
@@ -168,7 +170,7 @@ def _session_maps(pgid: int) -> set[str]:
 def test_vllm_serve_from_the_fresh_venv_via_the_image_entrypoint(built, smollm2):
     import openai
 
-    preload = _run(STEPS, "preload", built.runtime_py).strip()
+    preload = _run(STEPS, "preload", built.runtime_py, merge_stderr=False).strip()
     if X86:
         assert f"{built.runtime}/lib/libiomp5.so" in preload.split(":")
     else:
