@@ -57,12 +57,14 @@ def run_vllm(args: list[str], env: dict | None = None, timeout: float = 180):
 
 
 @contextlib.contextmanager
-def serve(model: str, *args: str, env: dict | None = None):
-    """`vllm serve MODEL --host 127.0.0.1 --port P ARGS`, ready to take requests."""
+def serve(model: str, *args: str, env: dict | None = None, command: list[str] | None = None):
+    """`vllm serve MODEL --host 127.0.0.1 --port P ARGS`, ready to take requests.
+
+    `command` replaces `vllm serve` (e.g. the Docker image's entry point)."""
     port = free_port()
     log_file = tempfile.NamedTemporaryFile(prefix="vllm-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        [VLLM, "serve", model, "--host", "127.0.0.1", "--port", str(port), *args],
+        [*(command or [VLLM, "serve"]), model, "--host", "127.0.0.1", "--port", str(port), *args],
         env=_env(env), stdout=log_file, stderr=subprocess.STDOUT,
         start_new_session=True,
     )
