@@ -2,8 +2,10 @@
 
 It subclasses the host worker, which keeps memory-node checks, KV sizing and
 the executor protocol, and overrides `init_device` to register our layer
-overrides (native linear kernels) and build our model runner.
-NUMA/OpenMP binding and the memory profiler grow here.
+overrides (native linear kernels), apply the rank's CPU/NUMA binding
+(cpu_backend.worker.binding, planned by cpu_backend.topology) and build our
+model runner; `load_model` first checks the weight shard + KV cache fit the
+rank's NUMA node.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
 from cpu_backend import ops
+from cpu_backend.worker import binding as cpu_binding
 from cpu_backend.ops.linear_layers import register_layers
 from cpu_backend.worker.memory import size_kv_cache_if_unset
 from cpu_backend.worker.model_runner import CpuBackendModelRunner
@@ -32,9 +35,13 @@ class CpuBackendWorker(CPUWorker):
         # size does not fit in free memory.
         size_kv_cache_if_unset(vllm_config)
         super().__init__(vllm_config, *args, **kwargs)
+        self.cpu_binding = cpu_binding.rank_binding(
+            self.parallel_config.local_world_size, self.local_rank
+        )
 
     def init_device(self) -> None:
         self.device = torch.device("cpu")
+        cpu_binding.apply(self.cpu_binding)
         # The CPU communicator names its shared-memory segments after this.
         init_method = self.distributed_init_method
         os.environ["VLLM_DIST_IDENT"] = (
@@ -60,12 +67,11 @@ class CpuBackendWorker(CPUWorker):
             self.model_runner = HostV2Runner(self.vllm_config, self.device)
         else:
             self.model_runner = CpuBackendModelRunner(self.vllm_config, self.device)
-        logger.info(
-            "cpu_backend worker rank %d: %d torch threads on CPUs %s",
-            self.rank,
-            torch.get_num_threads(),
-            sorted(os.sched_getaffinity(0)),
-        )
+        cpu_binding.log_binding(self.rank, self.local_rank, self.cpu_binding)
+
+    def load_model(self, *args, **kwargs):
+        cpu_binding.check_before_load(self.vllm_config, self.cpu_binding)
+        return super().load_model(*args, **kwargs)
 
     def _should_warm_up_model(self) -> bool:
         # Our runner's warm-up is one small step in eager mode: always worth it.
@@ -97,6 +103,10 @@ class CpuBackendWorker(CPUWorker):
                 {bool(getattr(layer.impl, "_native", False)) for layer in layers.values()}
             ),
             "worker": type(self).__qualname__,
+            "bound_cpus": list(self.cpu_binding.cpus) if self.cpu_binding else None,
+            "thread_cpus": cpu_binding.thread_cpus(),
+            "torch_threads": torch.get_num_threads(),
+            "communicator": _tp_communicator_name(),
             "model_runner": type(self.model_runner).__qualname__,
             "attention_backends": sorted(
                 {layer.attn_backend.get_name() for layer in layers.values()}
@@ -104,3 +114,10 @@ class CpuBackendWorker(CPUWorker):
             "attention_impls": sorted({type(layer.impl).__qualname__ for layer in layers.values()}),
             "attention_forward_calls": CpuBackendAttentionImpl.forward_calls,
         }
+
+
+def _tp_communicator_name() -> str:
+    from vllm.distributed.parallel_state import get_tp_group
+
+    comm = get_tp_group().device_communicator
+    return type(getattr(comm, "dist_module", comm)).__name__
