@@ -11,6 +11,7 @@ outside the host's executor), binds memory to the rank's node with the host's
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -29,7 +30,12 @@ class NodeMemoryError(RuntimeError):
 
 
 def rank_binding(local_world_size: int, local_rank: int) -> topology.RankBinding | None:
-    plan = topology.plan_from_env(local_world_size)
+    """This rank's share of the plan the engine process validated. The
+    affinity mask is left out: OpenMP has already narrowed it to this rank's
+    first place, which would make the other ranks' CPUs look forbidden."""
+    topo = topology.discover()
+    topo = dataclasses.replace(topo, affinity=topo.online)
+    plan = topology.plan_from_env(local_world_size, topo)
     return plan.ranks[local_rank] if plan.ranks else None
 
 
