@@ -195,6 +195,9 @@ def _host_id() -> str:
 
 
 def shm_usable() -> bool:
+    """`CPU_BACKEND_SHM=0` forces gloo (to compare, or to test the multi-host path)."""
+    if os.environ.get("CPU_BACKEND_SHM", "1").strip() == "0":
+        return False
     return platform.machine() in ("x86_64", "AMD64") and SHM_DIR.is_dir()
 
 

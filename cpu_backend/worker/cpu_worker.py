@@ -119,5 +119,5 @@ class CpuBackendWorker(CPUWorker):
 def _tp_communicator_name() -> str:
     from vllm.distributed.parallel_state import get_tp_group
 
-    comm = get_tp_group().device_communicator
-    return type(getattr(comm, "dist_module", comm)).__name__
+    comm = get_tp_group().device_communicator  # None with one TP rank
+    return type(comm.dist_module).__name__ if comm is not None else "none"
