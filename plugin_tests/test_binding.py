@@ -33,3 +33,17 @@ def test_checkpoint_bytes_counts_weight_files(tmp_path):
 
 def test_thread_cpus_within_the_affinity_mask():
     assert set(binding.thread_cpus()) == set(os.sched_getaffinity(0))
+
+
+def test_rank_binding_follows_the_planned_lists(monkeypatch):
+    from types import SimpleNamespace
+
+    cpus = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", str(cpus[0]))
+    cfg = SimpleNamespace(data_parallel_size=1, local_world_size=1)
+    b = binding.rank_binding(cfg, 0)
+    assert b.cpus == (cpus[0],) and b.nodes == (b.node,)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert binding.rank_binding(cfg, 0) is None
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", str(cpus[0]))
+    assert binding.rank_binding(SimpleNamespace(data_parallel_size=2, local_world_size=1), 0) is None

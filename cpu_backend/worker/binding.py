@@ -29,13 +29,16 @@ class NodeMemoryError(RuntimeError):
     """The rank's weights and KV cache do not fit its NUMA node's free memory."""
 
 
-def rank_binding(local_world_size: int, local_rank: int) -> topology.RankBinding | None:
+def rank_binding(parallel_config, local_rank: int) -> topology.RankBinding | None:
     """This rank's share of the plan the engine process validated. The
     affinity mask is left out: OpenMP has already narrowed it to this rank's
-    first place, which would make the other ranks' CPUs look forbidden."""
+    first place, which would make the other ranks' CPUs look forbidden.
+    None with `nobind`, and with data parallel (the host plans that itself)."""
+    if parallel_config.data_parallel_size > 1:
+        return None
     topo = topology.discover()
     topo = dataclasses.replace(topo, affinity=topo.online)
-    plan = topology.plan_from_env(local_world_size, topo)
+    plan = topology.plan_from_env(parallel_config.local_world_size, topo)
     return plan.ranks[local_rank] if plan.ranks else None
 
 

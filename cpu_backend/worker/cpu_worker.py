@@ -35,9 +35,7 @@ class CpuBackendWorker(CPUWorker):
         # size does not fit in free memory.
         size_kv_cache_if_unset(vllm_config)
         super().__init__(vllm_config, *args, **kwargs)
-        self.cpu_binding = cpu_binding.rank_binding(
-            self.parallel_config.local_world_size, self.local_rank
-        )
+        self.cpu_binding = cpu_binding.rank_binding(self.parallel_config, self.local_rank)
 
     def init_device(self) -> None:
         self.device = torch.device("cpu")
