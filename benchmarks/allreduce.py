@@ -1,5 +1,5 @@
 """All-reduce latency for decode-sized tensors: our shared-memory group
-(cpu_backend.communicator.ShmGroup) vs torch.distributed gloo, in the same run.
+(cpu_backend.shm_group.ShmGroup) vs torch.distributed gloo, in the same run.
 
     .venv/bin/python -m benchmarks.allreduce [--world 2] [--hidden 4096] [--iters 200]
 
@@ -33,7 +33,7 @@ RESULT = Path(__file__).parent / "results" / "allreduce.md"
 def _run(rank, world, port, hidden, iters, q):
     import torch.distributed as dist
 
-    from cpu_backend.communicator import PREFIX, ShmGroup
+    from cpu_backend.shm_group import PREFIX, ShmGroup
 
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Shared-memory all-reduce / all-gather (cpu_backend.communicator) across real
+"""Shared-memory all-reduce / all-gather (cpu_backend.shm_group) across real
 processes, against torch.distributed (gloo) on the same inputs; segment clean-up."""
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from cpu_backend import communicator
-from cpu_backend.communicator import PREFIX, SHM_DIR, ShmGroup, cleanup_stale
+from cpu_backend.shm_group import PREFIX, SHM_DIR, ShmGroup, cleanup_stale, shm_usable
 
-pytestmark = pytest.mark.skipif(not communicator.shm_usable(), reason="x86 + /dev/shm only")
+pytestmark = pytest.mark.skipif(not shm_usable(), reason="x86 + /dev/shm only")
 
 
 def _worker(rank, world, port, name, q):
