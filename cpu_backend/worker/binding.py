@@ -54,7 +54,11 @@ def apply(binding: topology.RankBinding | None) -> None:
     if not _placement_from_env():
         # Threads created from now on inherit the mask (not pinned one-to-one).
         os.sched_setaffinity(0, binding.cpus)
-    if hasattr(torch.ops._C, "init_cpu_memory_env"):  # the host's op (libnuma membind)
+    # The host's CPUWorker already bound memory to the node of this process's
+    # first allowed CPU; rebind (the host's op, libnuma membind) only when the
+    # rank's main node differs, e.g. a list spanning nodes.
+    first_node = topology.discover().node_of.get(min(os.sched_getaffinity(0)))
+    if binding.node != first_node and hasattr(torch.ops._C, "init_cpu_memory_env"):
         torch.ops._C.init_cpu_memory_env([binding.node])
 
 
