@@ -277,7 +277,8 @@ def _log_choice_once(vllm_config: VllmConfig) -> None:
 
 
 def _start_up_hints() -> None:
-    """One line each, once per process: settings that do nothing here."""
+    """One line each, once per process: the allocator hint, and settings that
+    have no effect with this backend."""
     if "libtcmalloc" not in os.environ.get("LD_PRELOAD", ""):
         logger.info(
             "cpu_backend: libtcmalloc is not in LD_PRELOAD; preloading it (e.g. "

@@ -93,3 +93,25 @@ def test_our_communicator_is_chosen():
     assert current_platform.get_device_communicator_cls() == (
         "cpu_backend.communicator.CpuBackendCommunicator"
     )
+
+
+def test_moe_prepack_and_sgl_kernel_warn_once_each(monkeypatch):
+    from cpu_backend import platform
+
+    lines = []
+    monkeypatch.setattr(platform.logger, "warning", lambda msg, *a: lines.append(msg % a))
+    monkeypatch.setattr(platform.logger, "info", lambda msg, *a: lines.append(msg % a))
+    monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.setenv("VLLM_CPU_MOE_PREPACK", "1")
+    monkeypatch.setenv("VLLM_CPU_SGL_KERNEL", "1")
+    platform._start_up_hints()
+    assert len(lines) == 3
+    assert "libtcmalloc is not in LD_PRELOAD" in lines[0]
+    assert "VLLM_CPU_MOE_PREPACK=1 has no effect" in lines[1]
+    assert "VLLM_CPU_SGL_KERNEL=1 has no effect" in lines[2]
+    lines.clear()
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4")
+    monkeypatch.setenv("VLLM_CPU_MOE_PREPACK", "0")
+    monkeypatch.delenv("VLLM_CPU_SGL_KERNEL")
+    platform._start_up_hints()
+    assert lines == []
