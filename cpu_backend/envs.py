@@ -94,12 +94,16 @@ def omp_threads_bind() -> ThreadsBind:
                     OMP_THREADS_BIND, value, "ranges written low-high, e.g. '0-3'"
                 )
     lists = tuple(tuple(parse_cpu_list(r)) for r in ranks)
-    allowed = os.sched_getaffinity(0)
+    # Online CPUs in the affinity mask and cgroup cpuset; the per-rank plan
+    # (count of lists, NUMA spans) is checked in cpu_backend.topology.
+    from cpu_backend.topology import discover, format_cpu_list
+
+    allowed = discover().allowed
     missing = sorted({c for ids in lists for c in ids} - allowed)
     if missing:
         raise EnvError(
-            OMP_THREADS_BIND, value, f"CPUs this process may use {sorted(allowed)}; "
-            f"not {missing}"
+            OMP_THREADS_BIND, value, f"CPUs this process may use ({format_cpu_list(allowed)}); "
+            f"not {format_cpu_list(missing)}"
         )
     return ThreadsBind("lists", lists)
 

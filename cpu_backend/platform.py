@@ -98,6 +98,12 @@ class CpuBackendPlatform(CpuPlatform):
         return ATTENTION_BACKEND_QUALNAME
 
     @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        """Ours: shared-memory all-reduce for tensor-parallel ranks on one host
+        (cpu_backend.communicator), gloo otherwise."""
+        return "cpu_backend.communicator.CpuBackendCommunicator"
+
+    @classmethod
     def import_ir_kernels(cls) -> None:
         super().import_ir_kernels()
         import cpu_backend.ops.norm  # noqa: F401 - registers the `cpu_backend` provider
@@ -130,7 +136,7 @@ class CpuBackendPlatform(CpuPlatform):
         envs.validate_all()
         isa.selected_path()  # a bad VLLM_CPU_BACKEND_ISA fails here
         _check_model(vllm_config)
-        _translate_threads_bind_all()
+        _plan_threads_bind(vllm_config)
 
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
@@ -193,13 +199,46 @@ def _check_model(vllm_config: VllmConfig) -> None:
         )
 
 
-def _translate_threads_bind_all() -> None:
-    """`VLLM_CPU_OMP_THREADS_BIND=all` (in vLLM's docs, unknown to the host 0.32):
-    bind the single rank to every CPU this process may use."""
-    if envs.omp_threads_bind().mode == "all":
-        cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-        os.environ[envs.OMP_THREADS_BIND] = cpus
-        os.environ.setdefault(envs.NUM_OF_RESERVED_CPU, "0")
+# The user's VLLM_CPU_OMP_THREADS_BIND and what we replaced it with, so a second
+# engine in the same process plans from the user's value, not from ours.
+_BIND_TRANSLATED = "CPU_BACKEND_OMP_THREADS_BIND_FROM"
+
+
+def _user_threads_bind() -> str:
+    current = os.environ.get(envs.OMP_THREADS_BIND, "").strip() or "auto"
+    original, _, written = os.environ.get(_BIND_TRANSLATED, "").partition("=>")
+    return original if written and written == current else current
+
+
+def _plan_threads_bind(vllm_config: VllmConfig) -> None:
+    """Turn `auto`/`all`/lists into explicit per-rank lists from our planner
+    (cpu_backend.topology) and hand them to the host's executor, which sets
+    `OMP_PLACES`/`OMP_NUM_THREADS` (or the KMP/GOMP equivalents) per worker.
+
+    This makes `auto` work with several ranks on one NUMA node (the host's own
+    `auto` needs a node per rank) and `all` work at all (unknown to the host
+    0.32). Bad values fail here, naming the variable."""
+    from cpu_backend import topology
+
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.data_parallel_size > 1:
+        return  # the host slices per-DP-rank lists itself; leave the value to it
+    spec = _user_threads_bind()
+    plan = topology.plan(
+        topology.discover(), spec, parallel_config.local_world_size, topology.reserved_from_env()
+    )
+    for warning in plan.warnings:
+        logger.warning(warning)
+    if plan.mode == "nobind":
+        return
+    host_value = plan.host_value()
+    os.environ[envs.OMP_THREADS_BIND] = host_value
+    os.environ[_BIND_TRANSLATED] = f"{spec}=>{host_value}"
+    logger.info(
+        "cpu_backend: %s=%r planned as %r (%d local rank(s)); reserved CPUs: %s",
+        envs.OMP_THREADS_BIND, spec, host_value, len(plan.ranks),
+        topology.format_cpu_list(plan.reserved) or "none",
+    )
 
 
 def _size_kv_cache(vllm_config: VllmConfig) -> None:
@@ -222,6 +261,7 @@ def _log_choice_once(vllm_config: VllmConfig) -> None:
     if _logged:
         return
     _logged = True
+    _start_up_hints()
     logger.info(
         "cpu_backend: platform=%s attention=%s worker=%s isa=%s kernels=native "
         "(linear, attention, rms_norm) block_size=%d compile_mode=%s",
@@ -234,3 +274,28 @@ def _log_choice_once(vllm_config: VllmConfig) -> None:
         if vllm_config.compilation_config.mode is not None
         else "default",
     )
+
+
+def _start_up_hints() -> None:
+    """One line each, once per process: the allocator hint, and settings that
+    have no effect with this backend."""
+    if "libtcmalloc" not in os.environ.get("LD_PRELOAD", ""):
+        logger.info(
+            "cpu_backend: libtcmalloc is not in LD_PRELOAD; preloading it (e.g. "
+            "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4) speeds up "
+            "allocation-heavy steps. See docs/threads_and_tp.md."
+        )
+    if envs.moe_prepack():
+        logger.warning(
+            "cpu_backend: VLLM_CPU_MOE_PREPACK=1 has no effect: cpu_backend has no MoE "
+            "kernel of its own, MoE layers run the host's CPU MoE path unchanged."
+        )
+    if envs.sgl_kernel():
+        has_amx = "amx_bf16" in isa.cpu_flags() or "amx_int8" in isa.cpu_flags()
+        logger.warning(
+            "cpu_backend: VLLM_CPU_SGL_KERNEL=1 has no effect: %s; linear layers use "
+            "cpu_backend's packed GEMM kernels (isa=%s).",
+            "cpu_backend has no AMX small-batch kernels yet" if has_amx
+            else "this CPU has no AMX, which those kernels need",
+            isa.describe(),
+        )

@@ -49,3 +49,69 @@ def test_bad_setting_is_named(llama_config_dir, monkeypatch, kwargs, env, match)
 def test_unsupported_head_size_is_named(llama_config_dir):
     with pytest.raises(ValueError, match="head size 48"):
         build_config(llama_config_dir(head_dim=48))
+
+
+def _bind_env(monkeypatch, value):
+    from cpu_backend.platform import _BIND_TRANSLATED
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", value)
+    monkeypatch.delenv(_BIND_TRANSLATED, raising=False)  # restored after the test
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+
+
+def test_threads_bind_planned_into_explicit_lists_for_the_host(llama_config_dir, monkeypatch):
+    import os
+
+    from cpu_backend import topology
+
+    _bind_env(monkeypatch, "auto")
+    model = llama_config_dir()
+    expected = {
+        n: topology.plan(topology.discover(), "auto", n).host_value() for n in (1, 2)
+    }
+    build_config(model, tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == expected[2]
+    # A second engine in this process plans from the user's value, not ours.
+    build_config(model)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == expected[1]
+    _bind_env(monkeypatch, "all")
+    build_config(model)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == topology.format_cpu_list(
+        topology.discover().allowed
+    )
+
+
+def test_threads_bind_list_count_must_match_tp(llama_config_dir, monkeypatch):
+    _bind_env(monkeypatch, "0")
+    with pytest.raises(ValueError, match=r"VLLM_CPU_OMP_THREADS_BIND='0'.*2 local rank"):
+        build_config(llama_config_dir(), tensor_parallel_size=2, distributed_executor_backend="mp")
+
+
+def test_our_communicator_is_chosen():
+    from vllm.platforms import current_platform
+
+    assert current_platform.get_device_communicator_cls() == (
+        "cpu_backend.communicator.CpuBackendCommunicator"
+    )
+
+
+def test_moe_prepack_and_sgl_kernel_warn_once_each(monkeypatch):
+    from cpu_backend import platform
+
+    lines = []
+    monkeypatch.setattr(platform.logger, "warning", lambda msg, *a: lines.append(msg % a))
+    monkeypatch.setattr(platform.logger, "info", lambda msg, *a: lines.append(msg % a))
+    monkeypatch.setenv("LD_PRELOAD", "")
+    monkeypatch.setenv("VLLM_CPU_MOE_PREPACK", "1")
+    monkeypatch.setenv("VLLM_CPU_SGL_KERNEL", "1")
+    platform._start_up_hints()
+    assert len(lines) == 3
+    assert "libtcmalloc is not in LD_PRELOAD" in lines[0]
+    assert "VLLM_CPU_MOE_PREPACK=1 has no effect" in lines[1]
+    assert "VLLM_CPU_SGL_KERNEL=1 has no effect" in lines[2]
+    lines.clear()
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4")
+    monkeypatch.setenv("VLLM_CPU_MOE_PREPACK", "0")
+    monkeypatch.delenv("VLLM_CPU_SGL_KERNEL")
+    platform._start_up_hints()
+    assert lines == []

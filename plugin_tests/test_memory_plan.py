@@ -20,8 +20,9 @@ def readings(total=64, available=40, rss=2, limit=None, usage=None):
     )
 
 
-def plan(r, requested=None, utilization=0.9, activation=256 * MiB, per_block=MiB, block=16, max_len=4096):
-    return plan_kv_cache(r, requested, utilization, activation, per_block, block, max_len)
+def plan(r, requested=None, utilization=0.9, activation=256 * MiB, per_block=MiB, block=16, max_len=4096,
+         shares=1):
+    return plan_kv_cache(r, requested, utilization, activation, per_block, block, max_len, shares)
 
 
 def test_automatic_takes_the_fraction_minus_process_activations_and_margin():
@@ -99,3 +100,10 @@ def test_cgroup_memory_reads_v1_and_v2(tmp_path, monkeypatch, files, proc_cgroup
 def test_process_readings_are_live():
     assert memory.rss_bytes() > 10 * MiB
     assert memory.peak_rss_bytes() >= memory.rss_bytes() - MiB
+
+
+def test_ranks_on_one_node_split_its_memory():
+    one = plan(readings(total=64, available=60, rss=2))
+    two = plan(readings(total=64, available=60, rss=2), shares=2)
+    assert two.kv_bytes == int(0.9 * 32 * GiB) - 2 * GiB - 256 * MiB - int(0.02 * 32 * GiB)
+    assert two.kv_bytes < one.kv_bytes / 2 + GiB

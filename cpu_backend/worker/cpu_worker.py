@@ -2,8 +2,10 @@
 
 It subclasses the host worker, which keeps the memory-node binding and the
 executor protocol, and overrides:
-- `init_device`: registers our layer overrides (native linear kernels) and
-  builds our model runner;
+- `init_device`: registers our layer overrides (native linear kernels),
+  applies the rank's CPU/NUMA binding (cpu_backend.worker.binding, planned by
+  cpu_backend.topology) and builds our model runner;
+- `load_model`: first checks the weight shard + KV cache fit the rank's NUMA node;
 - `determine_available_memory`: our KV-cache sizing (`cpu_backend.worker.memory`:
   a profiled activation peak, container limits, clear errors before anything
   is allocated) instead of the host's 0.92-of-the-node rule, which refuses to
@@ -24,6 +26,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
 from cpu_backend import ops
+from cpu_backend.worker import binding as cpu_binding
 from cpu_backend.ops.linear_layers import register_layers
 from cpu_backend.worker import memory
 from cpu_backend.worker.model_runner import CpuBackendModelRunner
@@ -45,9 +48,11 @@ class CpuBackendWorker(CPUWorker):
             super().__init__(vllm_config, *args, **kwargs)
         finally:
             cache_config.kv_cache_memory_bytes = self.requested_kv_bytes
+        self.cpu_binding = cpu_binding.rank_binding(self.parallel_config, self.local_rank)
 
     def init_device(self) -> None:
         self.device = torch.device("cpu")
+        cpu_binding.apply(self.cpu_binding)
         # The CPU communicator names its shared-memory segments after this.
         init_method = self.distributed_init_method
         os.environ["VLLM_DIST_IDENT"] = (
@@ -73,12 +78,11 @@ class CpuBackendWorker(CPUWorker):
             self.model_runner = HostV2Runner(self.vllm_config, self.device)
         else:
             self.model_runner = CpuBackendModelRunner(self.vllm_config, self.device)
-        logger.info(
-            "cpu_backend worker rank %d: %d torch threads on CPUs %s",
-            self.rank,
-            torch.get_num_threads(),
-            sorted(os.sched_getaffinity(0)),
-        )
+        cpu_binding.log_binding(self.rank, self.local_rank, self.cpu_binding)
+
+    def load_model(self, *args, **kwargs):
+        cpu_binding.check_before_load(self.vllm_config, self.cpu_binding)
+        return super().load_model(*args, **kwargs)
 
     def _should_warm_up_model(self) -> bool:
         # Our runner's warm-up is one small step in eager mode: always worth it.
@@ -101,6 +105,7 @@ class CpuBackendWorker(CPUWorker):
             bytes_per_block=math.ceil(bytes_per_token * block_size),
             block_size=block_size,
             max_model_len=self.model_config.max_model_len,
+            shares=cpu_binding.ranks_on_node(self.parallel_config, self.cpu_binding),
         )
         logger.info("cpu_backend rank %d: %s", self.rank, self.kv_plan.summary())
         return self.kv_plan.kv_bytes
@@ -131,6 +136,10 @@ class CpuBackendWorker(CPUWorker):
                 {bool(getattr(layer.impl, "_native", False)) for layer in layers.values()}
             ),
             "worker": type(self).__qualname__,
+            "bound_cpus": list(self.cpu_binding.cpus) if self.cpu_binding else None,
+            "thread_cpus": cpu_binding.thread_cpus(),
+            "torch_threads": torch.get_num_threads(),
+            "communicator": _tp_communicator_name(),
             "model_runner": type(self.model_runner).__qualname__,
             "attention_backends": sorted(
                 {layer.attn_backend.get_name() for layer in layers.values()}
@@ -155,3 +164,10 @@ class CpuBackendWorker(CPUWorker):
             "rss_at_plan": plan.readings.rss if plan else None,
             "rss_now": memory.rss_bytes(),
         }
+
+
+def _tp_communicator_name() -> str:
+    from vllm.distributed.parallel_state import get_tp_group
+
+    comm = get_tp_group().device_communicator  # None with one TP rank
+    return type(comm.dist_module).__name__ if comm is not None else "none"

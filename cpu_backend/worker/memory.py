@@ -15,7 +15,7 @@ limits and the activation peak, and lets a KV size that cannot hold one
   request and what is available / needed.
 - Unset or 0: automatic. The rank may use `--gpu-memory-utilization` of its
   memory limit (the NUMA node's memory, or the container's cgroup limit if
-  lower); the KV cache gets that minus the process's resident memory
+  lower, split evenly between the ranks bound to that node); the KV cache gets that minus the process's resident memory
   (weights, runtime) minus the activation peak minus a safety margin, and
   never more than the memory free right now minus the same peak and margin.
 - The activation peak is measured: the peak-RSS counter is reset
@@ -187,10 +187,13 @@ def plan_kv_cache(
     bytes_per_block: int,
     block_size: int,
     max_model_len: int,
+    shares: int = 1,
 ) -> KVPlan:
-    """The KV size for one rank, or KVCacheSizeError. `requested` None = auto."""
-    margin = max(SAFETY_MARGIN_MIN, int(SAFETY_MARGIN_FRACTION * readings.limit))
-    room = readings.free_now - activation_peak - margin
+    """The KV size for one rank, or KVCacheSizeError. `requested` None = auto;
+    `shares`: ranks splitting this memory node."""
+    limit, free_now = readings.limit // shares, readings.free_now // shares
+    margin = max(SAFETY_MARGIN_MIN, int(SAFETY_MARGIN_FRACTION * limit))
+    room = free_now - activation_peak - margin
     needed = min_kv_bytes(bytes_per_block, block_size, max_model_len)
     if requested is not None:
         source = explicit_source()
@@ -202,14 +205,14 @@ def plan_kv_cache(
         if requested > room:
             raise KVCacheSizeError(
                 f"{asked} asks for {gib(requested)} of KV cache, but this rank has room for "
-                f"{gib(max(room, 0))} ({readings.describe()}; the activation peak "
+                f"{gib(max(room, 0))} ({readings.describe()}{_shared(shares)}; the activation peak "
                 f"{gib(activation_peak)} and a {gib(margin)} margin stay free). "
                 f"Lower {source} or free memory."
             )
         kv = requested
     else:
         source = "automatic"
-        by_fraction = int(utilization * readings.limit) - readings.rss - activation_peak - margin
+        by_fraction = int(utilization * limit) - readings.rss - activation_peak - margin
         kv = min(by_fraction, room)
     if kv < needed:
         what = (
@@ -232,6 +235,10 @@ def plan_kv_cache(
         bytes_per_block=bytes_per_block, block_size=block_size, max_model_len=max_model_len,
         readings=readings,
     )
+
+
+def _shared(shares: int) -> str:
+    return f", shared by {shares} ranks" if shares > 1 else ""
 
 
 def read_memory(node: int) -> MemoryReadings:

@@ -1,0 +1,157 @@
+"""Per-worker CPU and memory binding, and the memory-fit check before weights load.
+
+The host's executor starts each worker with `OMP_PLACES`/`OMP_PROC_BIND` (or
+`KMP_AFFINITY`/`GOMP_CPU_AFFINITY`) for the explicit CPU list our platform
+planned (cpu_backend.topology), so the OpenMP runtime pins one thread per CPU.
+Here the worker recomputes the same plan, sets the thread count, falls back to
+`os.sched_setaffinity` when no OpenMP placement was given (a worker started
+outside the host's executor), binds memory to the rank's node with the host's
+`init_cpu_memory_env` op, and reports what the threads are really bound to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+from vllm.logger import init_logger
+
+from cpu_backend import topology
+
+logger = init_logger(f"vllm.{__name__}")
+
+_GiB = float(1 << 30)
+
+
+class NodeMemoryError(RuntimeError):
+    """The rank's weights and KV cache do not fit its NUMA node's free memory."""
+
+
+def rank_binding(parallel_config, local_rank: int) -> topology.RankBinding | None:
+    """This rank's share of the plan the engine process validated. The
+    affinity mask is left out: OpenMP has already narrowed it to this rank's
+    first place, which would make the other ranks' CPUs look forbidden.
+    None with `nobind`, and with data parallel (the host plans that itself)."""
+    if parallel_config.data_parallel_size > 1:
+        return None
+    topo = topology.discover()
+    topo = dataclasses.replace(topo, affinity=topo.online)
+    plan = topology.plan_from_env(parallel_config.local_world_size, topo)
+    return plan.ranks[local_rank] if plan.ranks else None
+
+
+def ranks_on_node(parallel_config, binding: topology.RankBinding | None) -> int:
+    """How many of this host's ranks share `binding`'s NUMA node (they split
+    its memory); all local ranks when unbound."""
+    if binding is None:
+        return max(parallel_config.local_world_size, 1)
+    topo = topology.discover()
+    topo = dataclasses.replace(topo, affinity=topo.online)
+    plan = topology.plan_from_env(parallel_config.local_world_size, topo)
+    return max(sum(r.node == binding.node for r in plan.ranks), 1)
+
+
+def _placement_from_env() -> bool:
+    return any(k in os.environ for k in ("OMP_PLACES", "KMP_AFFINITY", "GOMP_CPU_AFFINITY"))
+
+
+def apply(binding: topology.RankBinding | None) -> None:
+    if binding is None:
+        return
+    if torch.get_num_threads() != len(binding.cpus):
+        torch.set_num_threads(len(binding.cpus))
+    if not _placement_from_env():
+        # Threads created from now on inherit the mask (not pinned one-to-one).
+        os.sched_setaffinity(0, binding.cpus)
+    # The host's CPUWorker already bound memory to the node of this process's
+    # first allowed CPU; rebind (the host's op, libnuma membind) only when the
+    # rank's main node differs, e.g. a list spanning nodes.
+    first_node = topology.discover().node_of.get(min(os.sched_getaffinity(0)))
+    if binding.node != first_node and hasattr(torch.ops._C, "init_cpu_memory_env"):
+        torch.ops._C.init_cpu_memory_env([binding.node])
+
+
+def thread_cpus() -> list[int]:
+    """Union of the CPUs every thread of this process may run on, after
+    OpenMP's pool exists (one parallel op starts it)."""
+    torch.ones(1 << 16).sum()
+    cpus: set[int] = set()
+    for status in Path("/proc/self/task").glob("*/status"):
+        try:
+            for line in status.read_text().splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    cpus.update(topology.parse_cpu_list(line.split(":", 1)[1]))
+        except OSError:
+            continue  # a thread that just ended
+    return sorted(cpus)
+
+
+def log_binding(rank: int, local_rank: int, binding: topology.RankBinding | None) -> None:
+    if binding is None:
+        logger.info(
+            "cpu_backend rank %d (local %d): VLLM_CPU_OMP_THREADS_BIND=nobind, %d threads, "
+            "CPUs %s", rank, local_rank, torch.get_num_threads(),
+            topology.format_cpu_list(os.sched_getaffinity(0)),
+        )
+        return
+    logger.info(
+        "cpu_backend rank %d (local %d): %d OpenMP threads bound to CPUs %s on NUMA node %s; "
+        "memory bound to node %d; threads run on CPUs %s",
+        rank, local_rank, torch.get_num_threads(), topology.format_cpu_list(binding.cpus),
+        ",".join(map(str, binding.nodes)), binding.node,
+        topology.format_cpu_list(thread_cpus()),
+    )
+
+
+def checkpoint_bytes(model_path: str) -> int | None:
+    """Bytes of the weight files of a local checkpoint; None when unknown."""
+    path = Path(model_path)
+    if not path.is_dir():
+        return None
+    files = list(path.glob("*.safetensors")) or list(path.glob("*.bin")) or list(path.glob("*.pt"))
+    return sum(f.stat().st_size for f in files) or None
+
+
+def check_node_fits(*, weights_bytes: int, kv_bytes: int, node: int, free_bytes: int) -> None:
+    """Only this rank is counted: ranks sharing a node load at the same time and
+    the free memory read already reflects whichever loaded first."""
+    need = weights_bytes + kv_bytes
+    if need > free_bytes:
+        raise NodeMemoryError(
+            f"NUMA node {node} has {free_bytes / _GiB:.2f} GiB free, but this rank needs "
+            f"{need / _GiB:.2f} GiB ({weights_bytes / _GiB:.2f} GiB weight shard + "
+            f"{kv_bytes / _GiB:.2f} GiB KV cache). Lower VLLM_CPU_KVCACHE_SPACE, use a "
+            "larger --tensor-parallel-size, or bind ranks to other nodes "
+            "(VLLM_CPU_OMP_THREADS_BIND)."
+        )
+
+
+def check_before_load(vllm_config, binding: topology.RankBinding | None) -> None:
+    """Weight shard + KV against the node's free memory, before loading."""
+    model_config = vllm_config.model_config
+    size = checkpoint_bytes(model_config.model)
+    if size is None:
+        logger.debug("Memory-fit check skipped: no local checkpoint at %s", model_config.model)
+        return
+    ckpt_dtype = getattr(model_config.hf_config, "torch_dtype", None) or getattr(
+        model_config.hf_config, "dtype", None)
+    if isinstance(ckpt_dtype, str):
+        ckpt_dtype = getattr(torch, ckpt_dtype, None)
+    if isinstance(ckpt_dtype, torch.dtype):
+        size = size * model_config.dtype.itemsize // ckpt_dtype.itemsize
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    weights = size // (tp * pp)
+    kv = vllm_config.cache_config.kv_cache_memory_bytes or 0
+    topo = topology.discover()
+    node = binding.node if binding is not None else topo.node_of.get(min(os.sched_getaffinity(0)), 0)
+    free = topo.node_free_bytes.get(node)
+    if free is None:
+        return
+    check_node_fits(weights_bytes=weights, kv_bytes=kv, node=node, free_bytes=free)
+    logger.info(
+        "cpu_backend: node %d has %.2f GiB free for this rank's %.2f GiB weight shard + "
+        "%.2f GiB KV cache.", node, free / _GiB, weights / _GiB, kv / _GiB,
+    )
