@@ -15,8 +15,10 @@ from cpu_backend import envs
 
 # Most capable first. Each path needs all of its flags.
 _PATHS: dict[str, tuple[str, ...]] = {
-    "amx": ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl"),
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq"),
+    # The avx512 library is built with -mavx512bf16 (VDPBF16PS): Skylake-X /
+    # Cascade Lake / Ice Lake (no avx512_bf16) take the avx2 path.
+    "amx": ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
     "avx2": ("avx2", "fma", "f16c"),
     "portable": (),
 }
