@@ -53,9 +53,9 @@ def test_explicit_size_too_large_names_the_variable(monkeypatch):
 
 
 def test_explicit_size_too_small_for_one_sequence_says_the_minimum(monkeypatch):
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.1")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     # 4096 tokens / 16 = 256 blocks of 1 MiB = 0.25 GiB
-    with pytest.raises(KVCacheSizeError, match=r"less than one sequence.*0\.25 GiB.*at least 0\.250"):
+    with pytest.raises(KVCacheSizeError, match=r"--kv-cache-memory-bytes=107374182 gives 0\.10 GiB.*less than one sequence.*0\.25 GiB.*at least 1 \(or --kv-cache-memory-bytes to at least 268435456\)"):
         plan(readings(), requested=int(0.1 * GiB))
     assert plan(readings(), requested=GiB // 4).kv_bytes == GiB // 4
 

@@ -220,7 +220,8 @@ def plan_kv_cache(
             else f"Automatic sizing (--gpu-memory-utilization={utilization}) leaves"
         )
         hint = (
-            f"set {envs.KVCACHE_SPACE} to at least {needed / _GiB:.3f}"
+            f"set {envs.KVCACHE_SPACE} to at least {math.ceil(needed / _GiB)} "
+            f"(or --kv-cache-memory-bytes to at least {needed})"
             if requested is not None
             else "free memory, raise --gpu-memory-utilization"
         )
