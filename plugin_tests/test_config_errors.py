@@ -33,7 +33,7 @@ def test_user_choices_are_kept(llama_config_dir, monkeypatch):
     "kwargs,env,match",
     [
         ({"block_size": 24}, {}, "--block-size 24"),
-        ({"kv_cache_dtype": "fp8_e5m2"}, {}, "--kv-cache-dtype fp8_e5m2"),
+        ({"kv_cache_dtype": "nvfp4"}, {}, "--kv-cache-dtype nvfp4"),
         ({}, {"VLLM_CPU_KVCACHE_SPACE": "lots"}, "VLLM_CPU_KVCACHE_SPACE"),
         ({}, {"VLLM_CPU_OMP_THREADS_BIND": "0-x"}, "VLLM_CPU_OMP_THREADS_BIND"),
         ({}, {"VLLM_CPU_SGL_KERNEL": "maybe"}, "VLLM_CPU_SGL_KERNEL"),
