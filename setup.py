@@ -34,6 +34,7 @@ class BuildPyWithPth(build_py):
 
 
 SOURCES = ["csrc/attention.cpp", "csrc/linear.cpp", "csrc/norm.cpp", "csrc/registration.cpp"]
+SOURCES.append("csrc/linear_wna16.cpp")  # issue 5: weight-only int4/int8 linear
 DEPENDS = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*.h"))]
 # -g0: Python's CFLAGS add -g, which doubles compile time and .so size.
 # -Wno-maybe-uninitialized: GCC 12 false positives on _mm512_undefined_*().
