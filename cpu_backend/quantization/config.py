@@ -138,6 +138,14 @@ class CpuBackendGPTQConfig(_WNA16Config):
     def get_name(cls) -> str:
         return "cpu_backend_gptq"
 
+    @staticmethod
+    def get_checkpoint_weight_mapper():
+        """Keep g_idx: the host's default mapper drops it (its kernels have no
+        act-order); ours reorders the inputs by it."""
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        return WeightsMapper()
+
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> CpuBackendGPTQConfig:
         fmt = "GPTQ"
