@@ -251,8 +251,10 @@ class WNA16LinearMethod(LinearMethodBase):
         qzeros = PackedvLLMParameter(
             data=torch.empty(groups, n // pf, dtype=torch.int32), input_dim=0, output_dim=1,
             packed_dim=1, packed_factor=pf, weight_loader=loader)
+        # float32 whatever the model dtype: fp16 checkpoint scales load exactly
+        # (bf16 would drop 3 bits of each); the kernel takes fp32 anyway.
         scales = GroupQuantScaleParameter(
-            data=torch.empty(groups, n, dtype=params_dtype), input_dim=0, output_dim=1,
+            data=torch.empty(groups, n, dtype=torch.float32), input_dim=0, output_dim=1,
             weight_loader=loader)
         layer.register_parameter("qweight", qweight)
         layer.register_parameter("qzeros", qzeros)
