@@ -12,9 +12,9 @@
 //   perm [K] int64 (optional): row k of the weight multiplies x[:, perm[k]]
 //     (GPTQ act-order: rows sorted by g_idx so every group is contiguous).
 // Compute: x rows are packed to fp32 chunks [K][mr] (gathered through perm),
-// then per k one panel row is widened in registers (u8/u4 -> fp32), turned
-// into weights with one FMA against the group's scale/zs held in registers,
-// and multiplied into MR x 16 fp32 accumulators. Same work split as linear.cpp
+// then per k one panel row is widened in registers (u8/u4 -> fp32) and
+// multiplied into MR x 16 fp32 group accumulators; at the end of each group
+// those are scaled and the zero term added from the group's sum of x. Same work split as linear.cpp
 // (panels x row blocks with at::parallel_for). Registered here with
 // TORCH_LIBRARY_FRAGMENT so registration.cpp stays untouched.
 #include <ATen/Parallel.h>
@@ -42,7 +42,7 @@ constexpr int kNR = 16;
 #if defined(CPU_BACKEND_ISA_AVX512)
 constexpr int kMR = 8;
 #else
-constexpr int kMR = 4;  // avx2: 2*MR accumulators + 7 ymm for w, scale, zs, x
+constexpr int kMR = 3;  // avx2: 4*MR accumulators (acc, group acc) + 2 ymm w + 1 x
 #endif
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -61,23 +61,32 @@ static CB_ALWAYS_INLINE Vec load_q(const uint8_t* p) {
   }
 }
 
-// c[MR][16] = a-chunk [K][MR] @ dequantized panel.
+// c[MR][16] = a-chunk [K][MR] @ dequantized panel. Per group: gacc = sum_k
+// a[k] * q[k] (the integer weights, exact in fp32), then acc += gacc * scale
+// + asum * zs, with asum[g][m] the group's sum of a (precomputed per chunk):
+// scale and zero cost two FMAs per group instead of one per k.
 template <int BITS>
 struct QuantKernel {
   template <int MR>
-  static void run(const float* __restrict a, const uint8_t* __restrict q, const float* __restrict s,
-                  const float* __restrict zs, int64_t K, int64_t gs, float* __restrict c) {
+  static void run(const float* __restrict a, const float* __restrict asum, const uint8_t* __restrict q,
+                  const float* __restrict s, const float* __restrict zs, int64_t K, int64_t gs,
+                  float* __restrict c) {
     constexpr int RB = RowBytes<BITS>::value;
     Vec acc[MR];
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = Vec::zero();
     const int64_t G = K / gs;
     for (int64_t g = 0; g < G; ++g) {
-      const Vec sv = Vec::load(s + g * kNR);
-      const Vec zv = Vec::load(zs + g * kNR);
+      Vec gacc[MR];
+      CB_UNROLL for (int m = 0; m < MR; ++m) gacc[m] = Vec::zero();
       const int64_t k1 = (g + 1) * gs;
       for (int64_t k = g * gs; k < k1; ++k) {
-        const Vec w = fma(load_q<BITS>(q + k * RB), sv, zv);
-        CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = fma(Vec::broadcast(a[k * MR + m]), w, acc[m]);
+        const Vec w = load_q<BITS>(q + k * RB);
+        CB_UNROLL for (int m = 0; m < MR; ++m) gacc[m] = fma(Vec::broadcast(a[k * MR + m]), w, gacc[m]);
+      }
+      const Vec sv = Vec::load(s + g * kNR);
+      const Vec zv = Vec::load(zs + g * kNR);
+      CB_UNROLL for (int m = 0; m < MR; ++m) {
+        acc[m] = fma(Vec::broadcast(asum[g * MR + m]), zv, fma(gacc[m], sv, acc[m]));
       }
     }
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m].store(c + m * kNR);
@@ -86,7 +95,8 @@ struct QuantKernel {
 
 template <int BITS, size_t... I>
 constexpr auto make_table(std::index_sequence<I...>) {
-  using Fn = void (*)(const float*, const uint8_t*, const float*, const float*, int64_t, int64_t, float*);
+  using Fn = void (*)(const float*, const float*, const uint8_t*, const float*, const float*, int64_t,
+                      int64_t, float*);
   return std::array<Fn, sizeof...(I)>{&QuantKernel<BITS>::template run<int(I) + 1>...};
 }
 
@@ -125,8 +135,25 @@ inline void store_tile(const float* tile, int mr, const float* bias, OT* out, in
   }
 }
 
+// asum[c][g][mr] = sum over group g of chunk c's packed x (layout [K][mr]).
+void group_sums(const float* ap, int64_t M, int64_t K, int64_t gs, float* asum) {
+  const int64_t C = ceil_div(M, kMR), G = K / gs;
+  for (int64_t c = 0; c < C; ++c) {
+    const int mr = int(std::min<int64_t>(kMR, M - c * kMR));
+    const float* a = ap + c * kMR * K;
+    float* dst = asum + c * kMR * G;
+    for (int64_t g = 0; g < G; ++g) {
+      for (int m = 0; m < mr; ++m) {
+        float t = 0.0f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; ++k) t += a[k * mr + m];
+        dst[g * mr + m] = t;
+      }
+    }
+  }
+}
+
 template <int BITS, typename OT>
-void run(const float* ap, const uint8_t* qw, const float* sc, const float* zs, const float* bias, OT* out,
+void run(const float* ap, const float* asum, const uint8_t* qw, const float* sc, const float* zs, const float* bias, OT* out,
          int64_t M, int64_t N, int64_t K, int64_t gs) {
   static constexpr auto kernels = make_table<BITS>(std::make_index_sequence<kMR>{});
   constexpr int RB = RowBytes<BITS>::value;
@@ -155,7 +182,7 @@ void run(const float* ap, const uint8_t* qw, const float* sc, const float* zs, c
       for (int64_t c = rb * per_block; c < c_end; ++c) {
         const int64_t r0 = c * kMR;
         const int mr = int(std::min<int64_t>(kMR, M - r0));
-        kernels[mr - 1](ap + c * kMR * K, panel, ps, pz, K, gs, tile);
+        kernels[mr - 1](ap + c * kMR * K, asum + c * kMR * G, panel, ps, pz, K, gs, tile);
         store_tile(tile, mr, pb, out + r0 * N + p * kNR, N, nn);
       }
     }
@@ -225,14 +252,17 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     });
     ap = apack.const_data_ptr<float>();
   }
+  at::Tensor asum_t = at::empty({ceil_div(M, kMR) * kMR * G}, x.options().dtype(at::kFloat));
+  float* asum = asum_t.mutable_data_ptr<float>();
+  group_sums(ap, M, K, group_size, asum);
   const uint8_t* qw = qweight.const_data_ptr<uint8_t>();
   dispatch_float(out.scalar_type(), "x", [&](auto otag) {
     using OT = typename decltype(otag)::type;
     OT* o = static_cast<OT*>(out.mutable_data_ptr());
     if (bits == 4) {
-      run<4>(ap, qw, scales.const_data_ptr<float>(), zs.const_data_ptr<float>(), bias_ptr, o, M, n, K, group_size);
+      run<4>(ap, asum, qw, scales.const_data_ptr<float>(), zs.const_data_ptr<float>(), bias_ptr, o, M, n, K, group_size);
     } else {
-      run<8>(ap, qw, scales.const_data_ptr<float>(), zs.const_data_ptr<float>(), bias_ptr, o, M, n, K, group_size);
+      run<8>(ap, asum, qw, scales.const_data_ptr<float>(), zs.const_data_ptr<float>(), bias_ptr, o, M, n, K, group_size);
     }
   });
   return out;
