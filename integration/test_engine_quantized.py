@@ -89,7 +89,11 @@ def test_quantized_checkpoint_matches_dequantized_transformers(case, checkpoints
     from cpu_backend.quantization import register
 
     # What the `vllm.general_plugins` entry point does in an installed package.
+    from cpu_backend import isa
+
     register()
+    if "avx2" not in isa.supported_paths():
+        pytest.skip("this CPU cannot run the avx2 library")
     monkeypatch.setenv("VLLM_CPU_BACKEND_ISA", "avx2")
     qdir, dense = checkpoints[case]
     prompts = random_prompts([1, 6, 17, 40])
@@ -103,3 +107,28 @@ def test_quantized_checkpoint_matches_dequantized_transformers(case, checkpoints
     assert rep["wna16_linear_calls"] > 0
     want = hf_greedy(str(dense), prompts, NEW_TOKENS)
     assert got == want
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("bits", 3, "bits=3"),
+    ("group_size", 48, "group_size=48"),
+    ("frobnicate", 1, "'frobnicate'"),
+])
+def test_unsupported_checkpoint_fails_before_loading_weights(key, value, message, checkpoints,
+                                                            tmp_path):
+    """The engine refuses the config itself: model.safetensors is not even there."""
+    from cpu_backend.quantization import register
+
+    register()
+    qdir, _ = checkpoints["gptq-8bit-perchannel-asym"]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in qdir.iterdir():
+        if f.name != "model.safetensors":
+            (bad / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"][key] = value
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(Exception, match=rf"{message}.*not supported by cpu_backend"):
+        with running_llm(str(bad), dtype="float32"):
+            pass

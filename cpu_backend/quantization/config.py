@@ -126,6 +126,10 @@ class CpuBackendGPTQConfig(_WNA16Config):
         "damp_percent", "damp_auto_increment", "true_sequential", "static_groups",
         "model_name_or_path", "model_file_base_name", "lm_head", "dynamic", "meta",
         "pack_dtype", "format", "mse", "is_marlin_format", "modules_in_block_to_quantize",
+        # transformers' GPTQConfig serializes its loader/calibration options too
+        "tokenizer", "dataset", "use_cuda_fp16", "model_seqlen", "block_name_to_quantize",
+        "module_name_preceding_first_block", "batch_size", "pad_token_id", "use_exllama",
+        "max_input_length", "exllama_config", "cache_block_outputs", "backend",
     }
 
     def __init__(self, bits, group_size, desc_act, sym, checkpoint_format, full_config):
@@ -185,6 +189,8 @@ class CpuBackendAWQConfig(_WNA16Config):
     KNOWN_KEYS = {
         "quant_method", "bits", "w_bit", "group_size", "q_group_size", "zero_point", "version",
         "modules_to_not_convert", "backend",
+        # transformers' AwqConfig: fusing / exllama options of its own loader
+        "do_fuse", "fuse_max_seq_len", "modules_to_fuse", "exllama_config",
     }
 
     def __init__(self, bits, group_size, zero_point, not_convert, full_config):
