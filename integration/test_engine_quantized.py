@@ -1,9 +1,11 @@
-"""GPTQ / AWQ checkpoints written by `cpu_backend.tools.quantize` from the tiny
-random Llama, run through `LLM.generate` on our weight-only kernel with the
+"""GPTQ, AWQ and compressed-tensors (W4A16, W8A16) checkpoints written by
+`cpu_backend.tools.quantize` from the tiny random Llama, run through `LLM.generate`
+on our weight-only kernel with the
 AVX2 kernel library (VLLM_CPU_BACKEND_ISA=avx2, the tier the host's
 cpu_gemm_wna16 lacks), against transformers running the dequantized model in
 fp32: the reference weights come from plugin_tests/quant_reference.py (AutoGPTQ's
-and AutoAWQ's dequantization), not from the code under test.
+and AutoAWQ's dequantization, compressed-tensors' own unpacking), not from the code
+under test.
 
 Greedy continuations must be equal (fp32 activations on both sides; the tiny
 model's greedy top-2 margins are > 1e-2, the kernel's fp32 error is ~1e-6).
@@ -28,7 +30,11 @@ CASES = {
     "gptq-4bit-g32-sym-act-order": ("gptq", 4, 32, True, True),
     "gptq-8bit-perchannel-asym": ("gptq", 8, -1, False, False),
     "awq-4bit-g64": ("awq", 4, 64, False, False),
+    "ct-w4a16-g64-asym": ("compressed-tensors", 4, 64, False, False),
+    "ct-w8a16-channel-sym": ("compressed-tensors", 8, -1, True, False),
 }
+OUR_CONFIG = {"gptq": "cpu_backend_gptq", "awq": "cpu_backend_awq",
+              "compressed-tensors": "cpu_backend_ct_wna16"}
 
 
 def dequantized_reference(qdir: Path, out: Path) -> Path:
@@ -42,9 +48,16 @@ def dequantized_reference(qdir: Path, out: Path) -> Path:
     dense = {}
     for name, t in state.items():
         base, _, suffix = name.rpartition(".")
-        if suffix in ("qzeros", "scales", "g_idx"):
+        if suffix in ("qzeros", "scales", "g_idx", "weight_scale", "weight_zero_point",
+                      "weight_shape"):
             continue
-        if suffix == "qweight":
+        if suffix == "weight_packed":
+            w = ref.ct_dequantize(t, state[f"{base}.weight_scale"],
+                                  state.get(f"{base}.weight_zero_point"),
+                                  q["config_groups"]["group_0"]["weights"]["num_bits"],
+                                  state[f"{base}.weight_shape"].tolist())
+            dense[f"{base}.weight"] = w.float().contiguous()
+        elif suffix == "qweight":
             if q["quant_method"] == "gptq":
                 w = ref.gptq_dequantize(t, state[f"{base}.qzeros"], state[f"{base}.scales"],
                                         state[f"{base}.g_idx"], q["bits"])
@@ -99,7 +112,7 @@ def test_quantized_checkpoint_matches_dequantized_transformers(case, checkpoints
     prompts = random_prompts([1, 6, 17, 40])
     with running_llm(str(qdir), dtype="float32", block_size=16) as llm:
         fmt = CASES[case][0]
-        assert llm.llm_engine.vllm_config.model_config.quantization == f"cpu_backend_{fmt}"
+        assert llm.llm_engine.vllm_config.model_config.quantization == OUR_CONFIG[fmt]
         got = [list(o.outputs[0].token_ids) for o in greedy(llm, prompts, NEW_TOKENS)]
         rep = report(llm)
     assert rep["kernels_isa"] == "avx2"

@@ -41,3 +41,22 @@ def awq_dequantize(qweight, qzeros, scales, group_size, bits=4):
     iz = torch.repeat_interleave(iz, gs, dim=0)
     sc = torch.repeat_interleave(scales.double(), gs, dim=0)
     return ((iw.double() - iz.double()) * sc).t().contiguous()
+
+
+def ct_dequantize(weight_packed, weight_scale, weight_zero_point, bits, shape):
+    """compressed-tensors pack-quantized, unpacked by the library itself
+    (compressed_tensors 0.17 `unpack_from_int32`: signed values), then
+    (q - zero_point) * scale per group."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    n, k = shape
+    q = unpack_from_int32(weight_packed, bits, torch.Size([n, k]), packed_dim=1).double()
+    g = weight_scale.shape[1]
+    if weight_zero_point is None:
+        zp = torch.zeros(n, g, dtype=torch.float64)
+    else:
+        zp = unpack_from_int32(weight_zero_point, bits, torch.Size([n, g]), packed_dim=0).double()
+    gs = k // g
+    zp = torch.repeat_interleave(zp, gs, dim=1)
+    sc = torch.repeat_interleave(weight_scale.double(), gs, dim=1)
+    return (q - zp) * sc

@@ -179,3 +179,67 @@ def test_awq_config_errors_name_the_key(cfg, key):
 
     with pytest.raises(QuantConfigError, match=key):
         CpuBackendAWQConfig.from_config(cfg)
+
+
+@pytest.mark.parametrize("bits,gs,sym", [(4, 64, True), (4, 32, False), (8, -1, True), (8, 128, False)])
+def test_compressed_tensors_pack_matches_library_unpack(bits, gs, sym):
+    gen = torch.Generator().manual_seed(bits + gs)
+    n, k = 64, 256
+    w = torch.randn(n, k, generator=gen) * 0.05
+    v = formats.quantize_rtn(w, bits, gs, sym)
+    t = formats.ct_pack(v["q"], v["zero"], v["scale"], bits, sym, torch.float32)
+    assert t["weight_packed"].shape == (n, k * bits // 32) and t["weight_packed"].dtype == torch.int32
+    assert ("weight_zero_point" in t) == (not sym)
+    want = ref.ct_dequantize(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"),
+                             bits, (n, k))
+    got = formats.dequantize(v["q"], v["zero"], v["scale"], v["g_idx"]).double()
+    assert torch.equal(got, want)
+    back = formats.ct_unpack(t["weight_packed"], t["weight_scale"], t.get("weight_zero_point"), bits)
+    assert torch.equal(formats.dequantize(**back).double(), want)
+
+
+def test_compressed_tensors_pack_is_the_librarys():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    q = torch.randint(0, 16, (16, 64), dtype=torch.int32)
+    ours = formats.pack_int32(q, 4, dim=1)
+    theirs = pack_to_int32((q - 8).to(torch.int8), 4, packed_dim=1)
+    assert torch.equal(ours, theirs)
+    z = torch.randint(0, 256, (16, 4), dtype=torch.int32)
+    assert torch.equal(formats.pack_int32(z, 8, dim=0),
+                       pack_to_int32((z - 128).to(torch.int8), 8, packed_dim=0))
+
+
+@pytest.mark.parametrize("weights,key", [
+    ({"num_bits": 3, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64},
+     "num_bits=3"),
+    ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 96},
+     "group_size=96"),
+    ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "tensor"}, "strategy"),
+    ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64,
+      "actorder": "group"}, "actorder"),
+    ({"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64, "foo": 1}, "'foo'"),
+])
+def test_compressed_tensors_config_errors_name_the_key(weights, key):
+    from cpu_backend.quantization.config import (
+        CpuBackendCompressedTensorsWNA16Config,
+        QuantConfigError,
+    )
+
+    cfg = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+           "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                         "format": "pack-quantized"}}}
+    with pytest.raises(QuantConfigError, match=key):
+        CpuBackendCompressedTensorsWNA16Config.from_config(cfg)
+
+
+def test_compressed_tensors_w8a8_is_left_to_the_host():
+    from cpu_backend.quantization.config import CpuBackendCompressedTensorsWNA16Config as C
+
+    w8a8 = {"quant_method": "compressed-tensors", "format": "int-quantized",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"], "format": "int-quantized",
+                "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
+                "input_activations": {"num_bits": 8, "type": "int", "strategy": "token",
+                                      "dynamic": True, "symmetric": True}}}}
+    assert not C.claims(w8a8)

@@ -21,6 +21,7 @@ def register() -> None:
 
     from cpu_backend.quantization import config
 
-    for cls in (config.CpuBackendGPTQConfig, config.CpuBackendAWQConfig):
+    for cls in (config.CpuBackendGPTQConfig, config.CpuBackendAWQConfig,
+                config.CpuBackendCompressedTensorsWNA16Config):
         register_quantization_config(cls.get_name())(cls)
     _registered = True

@@ -31,6 +31,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.parameter import (
+    BasevLLMParameter,
     GroupQuantScaleParameter,
     PackedvLLMParameter,
     RowvLLMParameter,
@@ -220,6 +221,101 @@ class CpuBackendAWQConfig(_WNA16Config):
         return any(name in prefix for name in self.modules_to_not_convert)
 
 
+class CpuBackendCompressedTensorsWNA16Config(_WNA16Config):
+    """compressed-tensors "pack-quantized" W4A16 / W8A16 (weight-only int,
+    group or channel strategy, symmetric or with zero points). Other
+    compressed-tensors schemes (W8A8, fp8, ...) are left to the host: the
+    override only claims checkpoints whose every config group is one of these."""
+
+    FORMAT = "compressed-tensors"
+    WEIGHT_KEYS = {
+        "num_bits", "type", "symmetric", "strategy", "group_size", "dynamic", "actorder",
+        "observer", "observer_kwargs", "block_structure", "zp_dtype", "scale_dtype",
+    }
+
+    def __init__(self, bits, group_size, sym, ignore, full_config):
+        super().__init__(bits, group_size, full_config)
+        self.sym = sym
+        self.ignore = ignore or []
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "cpu_backend_ct_wna16"
+
+    @classmethod
+    def get_config_filenames(cls) -> list[str]:
+        return []
+
+    @classmethod
+    def _weight_scheme(cls, config: dict) -> dict:
+        """The single weight-only scheme of the config; QuantConfigError otherwise."""
+        fmt = "compressed-tensors"
+        groups = config.get("config_groups") or {}
+        if len(groups) != 1:
+            raise QuantConfigError(f"{fmt} quantization_config config_groups: one group expected, "
+                                   f"got {len(groups)}")
+        (group,) = groups.values()
+        if group.get("input_activations") or group.get("output_activations"):
+            raise QuantConfigError(f"{fmt} config_groups input_activations: only weight-only "
+                                   "schemes run on cpu_backend's wna16 kernel")
+        group_format = group.get("format") or config.get("format")
+        _check_choice(fmt, "format", group_format, ("pack-quantized",))
+        if list(group.get("targets", [])) != ["Linear"]:
+            raise QuantConfigError(f"{fmt} config_groups targets={group.get('targets')!r}: "
+                                   "only ['Linear'] is supported")
+        return group.get("weights") or {}
+
+    @classmethod
+    def claims(cls, config: dict) -> bool:
+        try:
+            w = cls._weight_scheme(config)
+        except QuantConfigError:
+            return False
+        return w.get("type") == "int" and not w.get("dynamic")
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        method = str(hf_quant_cfg.get("quant_method", "")).lower()
+        if method != cls.FORMAT or not _is_our_platform() or not cls.claims(hf_quant_cfg):
+            return None
+        if user_quant in (None, cls.FORMAT, cls.get_name()):
+            return cls.get_name()
+        return None
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> CpuBackendCompressedTensorsWNA16Config:
+        fmt = "compressed-tensors"
+        w = cls._weight_scheme(config)
+        for key in w:
+            if key not in cls.WEIGHT_KEYS:
+                raise QuantConfigError(f"{fmt} weights key {key!r} is not supported by cpu_backend")
+        _check_choice(fmt, "weights.type", w.get("type"), ("int",))
+        _check_choice(fmt, "weights.num_bits", w.get("num_bits"), (4, 8))
+        _check_choice(fmt, "weights.strategy", w.get("strategy"), ("group", "channel"))
+        _check_choice(fmt, "weights.actorder", w.get("actorder"), (None,))
+        if w.get("dynamic"):
+            raise QuantConfigError(f"{fmt} weights.dynamic=True is not supported by cpu_backend")
+        group_size = w.get("group_size") if w["strategy"] == "group" else -1
+        _check_choice(fmt, "weights.group_size", group_size, SUPPORTED_GROUP_SIZES)
+        return cls(w["num_bits"], group_size, bool(w.get("symmetric", True)),
+                   config.get("ignore"), config)
+
+    def skip_layer(self, prefix: str) -> bool:
+        import re
+
+        mapping = self.packed_modules_mapping or {}
+        head, _, leaf = prefix.rpartition(".")
+        names = [f"{head}.{s}" if head else s for s in mapping.get(leaf, [leaf])]
+        for pattern in self.ignore:
+            for name in names:
+                if pattern.startswith("re:"):
+                    if re.match(pattern[3:], name):
+                        return True
+                elif name == pattern or name.endswith("." + pattern):
+                    return True
+        return False
+
+
 @register_weight_loader_v2_supported_method
 class WNA16LinearMethod(LinearMethodBase):
     """Creates the checkpoint's tensors, repacks them at load, runs our kernel."""
@@ -243,6 +339,10 @@ class WNA16LinearMethod(LinearMethodBase):
             raise QuantConfigError(f"{where}: output size is not a multiple of {pf}")
         groups = k // gs
         loader = extra_weight_attrs.get("weight_loader")
+        if cfg.FORMAT == "compressed-tensors":
+            self._create_ct_weights(layer, n, k, groups, loader)
+            layer.cpu_backend_wna16_n = n
+            return
         is_awq = cfg.FORMAT == "awq"
         if is_awq:
             qweight = PackedvLLMParameter(
@@ -271,12 +371,39 @@ class WNA16LinearMethod(LinearMethodBase):
             layer.register_parameter("g_idx", g_idx)
         layer.cpu_backend_wna16_n = n
 
+    def _create_ct_weights(self, layer, n, k, groups, loader):
+        """compressed-tensors pack-quantized: weight_packed [N, K/pf] int32 packed
+        along K, weight_scale [N, G], weight_zero_point [N/pf, G] packed along N
+        (asymmetric only), weight_shape [2]; values stored with +2^(bits-1)."""
+        pf = self.quant_config.pack_factor
+        if k % pf:
+            raise QuantConfigError(f"compressed-tensors layer [{n} x {k}]: input size is not "
+                                   f"a multiple of {pf}")
+        layer.register_parameter("weight_packed", PackedvLLMParameter(
+            data=torch.empty(n, k // pf, dtype=torch.int32), input_dim=1, output_dim=0,
+            packed_dim=1, packed_factor=pf, weight_loader=loader))
+        layer.register_parameter("weight_scale", GroupQuantScaleParameter(
+            data=torch.empty(n, groups, dtype=torch.float32), input_dim=1, output_dim=0,
+            weight_loader=loader))
+        layer.register_parameter("weight_shape", BasevLLMParameter(
+            data=torch.empty(2, dtype=torch.int64), weight_loader=loader))
+        if not self.quant_config.sym:
+            layer.register_parameter("weight_zero_point", PackedvLLMParameter(
+                data=torch.zeros(n // pf, groups, dtype=torch.int32), input_dim=1, output_dim=0,
+                packed_dim=0, packed_factor=pf, weight_loader=loader))
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         from cpu_backend.ops import load
 
         load()
         cfg = self.quant_config
-        if cfg.FORMAT == "awq":
+        if cfg.FORMAT == "compressed-tensors":
+            zp = layer.weight_zero_point.data if not cfg.sym else None
+            view = formats.ct_unpack(layer.weight_packed.data, layer.weight_scale.data, zp, cfg.bits)
+            for name in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"):
+                if hasattr(layer, name):
+                    delattr(layer, name)
+        elif cfg.FORMAT == "awq":
             view = formats.awq_unpack(layer.qweight.data, layer.qzeros.data, layer.scales.data,
                                       cfg.bits)
             if not cfg.zero_point:  # symmetric AWQ: zero fixed at 2^(bits-1)

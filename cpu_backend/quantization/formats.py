@@ -159,6 +159,37 @@ def awq_unpack(qweight, qzeros, scales, bits: int = 4) -> dict:
             "scale": scales.t().float().contiguous(), "g_idx": g_idx}
 
 
+# ---------------------------------------------------- compressed-tensors ---
+
+
+def ct_pack(q, zero, scale, bits: int, sym: bool, dtype=torch.bfloat16) -> dict:
+    """Integer view -> compressed-tensors pack-quantized tensors. The library
+    stores signed values q - 2^(bits-1) re-offset by +2^(bits-1), i.e. our
+    unsigned q; the zero point likewise (absent when symmetric)."""
+    n, k = q.shape
+    out = {
+        "weight_packed": pack_int32(q, bits, dim=1),
+        "weight_scale": scale.to(dtype).contiguous(),
+        "weight_shape": torch.tensor([n, k], dtype=torch.int64),
+    }
+    if not sym:
+        out["weight_zero_point"] = pack_int32(zero, bits, dim=0)
+    return out
+
+
+def ct_unpack(weight_packed, weight_scale, weight_zero_point, bits: int) -> dict:
+    """compressed-tensors pack-quantized tensors -> integer view."""
+    q = unpack_int32(weight_packed, bits, dim=1)
+    n, g = weight_scale.shape
+    if weight_zero_point is None:
+        zero = torch.full((n, g), 1 << (bits - 1), dtype=torch.int32)
+    else:
+        zero = unpack_int32(weight_zero_point, bits, dim=0)[:n]
+    k = q.shape[1]
+    return {"q": q, "zero": zero, "scale": weight_scale.float(),
+            "g_idx": (torch.arange(k) // (k // g)).to(torch.int32)}
+
+
 # --------------------------------------------------------- kernel layout ---
 
 

@@ -3,11 +3,14 @@
     python -m cpu_backend.tools.quantize MODEL_DIR OUT_DIR --format gptq \
         --bits 4 --group-size 128 [--asym] [--desc-act --calib-text FILE]
     python -m cpu_backend.tools.quantize MODEL_DIR OUT_DIR --format awq --group-size 128
+    python -m cpu_backend.tools.quantize MODEL_DIR OUT_DIR --format compressed-tensors \
+        --bits 4 --group-size 64 [--asym]          # W4A16 / W8A16 "pack-quantized"
 
 Every 2-D `*.weight` inside the decoder blocks (`*.layers.<i>.*`) is quantized;
 embeddings, norms and the LM head are copied unchanged. The output has the
 tensor names, packing, dtypes and config keys AutoGPTQ / GPTQModel
-(checkpoint_format "gptq", i.e. v1 zeros) and AutoAWQ (version "gemm") write:
+(checkpoint_format "gptq", i.e. v1 zeros), AutoAWQ (version "gemm") and
+llm-compressor (compressed-tensors 0.17 "pack-quantized", weight-only) write:
 see cpu_backend/quantization/formats.py. Quantization is round-to-nearest per
 group (no GPTQ error feedback, no AWQ scale search). --desc-act orders each
 layer's inputs by their mean square activation on a calibration text (what
@@ -66,8 +69,10 @@ def quantize_checkpoint(model_dir, out_dir, fmt: str, bits: int, group_size: int
                         dtype: torch.dtype | None = None) -> dict:
     """Write the checkpoint; returns its quantization_config."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    if fmt not in ("gptq", "awq"):
-        raise SystemExit(f"--format must be gptq or awq, got {fmt!r}")
+    if fmt not in ("gptq", "awq", "compressed-tensors"):
+        raise SystemExit(f"--format must be gptq, awq or compressed-tensors, got {fmt!r}")
+    if fmt == "compressed-tensors" and desc_act:
+        raise SystemExit("compressed-tensors: --desc-act is not written (actorder null only)")
     if group_size not in GROUP_SIZES:
         raise SystemExit(f"--group-size must be one of {GROUP_SIZES}, got {group_size}")
     if fmt == "awq" and (bits != 4 or desc_act or sym):
@@ -99,6 +104,9 @@ def quantize_checkpoint(model_dir, out_dir, fmt: str, bits: int, group_size: int
         v = formats.quantize_rtn(t, bits, group_size, sym, perm)
         if fmt == "gptq":
             tensors = formats.gptq_pack(v["q"], v["zero"], v["scale"], v["g_idx"], bits)
+        elif fmt == "compressed-tensors":
+            scale_dtype = t.dtype if t.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+            tensors = formats.ct_pack(v["q"], v["zero"], v["scale"], bits, sym, scale_dtype)
         else:
             tensors = formats.awq_pack(v["q"], v["zero"], v["scale"], bits)
         for suffix, tensor in tensors.items():
@@ -113,6 +121,20 @@ def quantize_checkpoint(model_dir, out_dir, fmt: str, bits: int, group_size: int
                 "checkpoint_format": "gptq", "model_name_or_path": None,
                 "model_file_base_name": "model", "quant_method": "gptq"}
         (out_dir / "quantize_config.json").write_text(json.dumps(qcfg, indent=2))
+    elif fmt == "compressed-tensors":
+        weights = {"num_bits": bits, "type": "int", "symmetric": sym,
+                   "strategy": "channel" if group_size == -1 else "group",
+                   "group_size": None if group_size == -1 else group_size,
+                   "dynamic": False, "actorder": None, "observer": "minmax",
+                   "observer_kwargs": {}, "block_structure": None}
+        qcfg = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                "quantization_status": "compressed", "global_compression_ratio": None,
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                              "input_activations": None,
+                                              "output_activations": None,
+                                              "format": "pack-quantized"}},
+                "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+                "transform_config": {}, "version": "0.17.0"}
     else:
         qcfg = {"quant_method": "awq", "zero_point": True, "group_size": group_size, "bits": bits,
                 "version": "gemm", "modules_to_not_convert": None}
@@ -137,15 +159,16 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir")
     p.add_argument("out_dir")
-    p.add_argument("--format", required=True, choices=("gptq", "awq"))
+    p.add_argument("--format", required=True, choices=("gptq", "awq", "compressed-tensors"))
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--asym", action="store_true", help="GPTQ: zero points (AWQ always has them)")
+    p.add_argument("--asym", action="store_true",
+                   help="GPTQ / compressed-tensors: zero points (AWQ always has them)")
     p.add_argument("--desc-act", action="store_true", help="GPTQ act-order (needs --calib-text)")
     p.add_argument("--calib-text", help="a text file for --desc-act")
     a = p.parse_args(argv)
     text = Path(a.calib_text).read_text() if a.calib_text else None
-    sym = not a.asym and a.format == "gptq"
+    sym = not a.asym and a.format != "awq"
     cfg = quantize_checkpoint(a.model_dir, a.out_dir, a.format, a.bits, a.group_size, sym,
                               a.desc_act, text)
     print(json.dumps(cfg))
