@@ -75,18 +75,35 @@ struct QuantKernel {
     Vec acc[MR];
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = Vec::zero();
     const int64_t G = K / gs;
+    // Few rows: KU independent accumulator sets over k, so consecutive FMAs
+    // do not wait on each other (one chain would be FMA-latency bound).
+    constexpr int KU = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
     for (int64_t g = 0; g < G; ++g) {
-      Vec gacc[MR];
-      CB_UNROLL for (int m = 0; m < MR; ++m) gacc[m] = Vec::zero();
-      const int64_t k1 = (g + 1) * gs;
-      for (int64_t k = g * gs; k < k1; ++k) {
+      Vec gacc[KU][MR];
+      CB_UNROLL for (int u = 0; u < KU; ++u) {
+        CB_UNROLL for (int m = 0; m < MR; ++m) gacc[u][m] = Vec::zero();
+      }
+      const int64_t k0 = g * gs, k1 = (g + 1) * gs;
+      const int64_t ku_end = k0 + (gs / KU) * KU;
+      for (int64_t k = k0; k < ku_end; k += KU) {
+        CB_UNROLL for (int u = 0; u < KU; ++u) {
+          const Vec w = load_q<BITS>(q + (k + u) * RB);
+          CB_UNROLL for (int m = 0; m < MR; ++m) {
+            gacc[u][m] = fma(Vec::broadcast(a[(k + u) * MR + m]), w, gacc[u][m]);
+          }
+        }
+      }
+      for (int64_t k = ku_end; k < k1; ++k) {
         const Vec w = load_q<BITS>(q + k * RB);
-        CB_UNROLL for (int m = 0; m < MR; ++m) gacc[m] = fma(Vec::broadcast(a[k * MR + m]), w, gacc[m]);
+        CB_UNROLL for (int m = 0; m < MR; ++m) gacc[0][m] = fma(Vec::broadcast(a[k * MR + m]), w, gacc[0][m]);
+      }
+      CB_UNROLL for (int u = 1; u < KU; ++u) {
+        CB_UNROLL for (int m = 0; m < MR; ++m) gacc[0][m] = gacc[0][m] + gacc[u][m];
       }
       const Vec sv = Vec::load(s + g * kNR);
       const Vec zv = Vec::load(zs + g * kNR);
       CB_UNROLL for (int m = 0; m < MR; ++m) {
-        acc[m] = fma(Vec::broadcast(asum[g * MR + m]), zv, fma(gacc[m], sv, acc[m]));
+        acc[m] = fma(Vec::broadcast(asum[g * MR + m]), zv, fma(gacc[0][m], sv, acc[m]));
       }
     }
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m].store(c + m * kNR);

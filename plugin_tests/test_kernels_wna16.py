@@ -9,7 +9,8 @@ exact small integers times a fp32 scale, plus zs = -zero*scale rounded once):
 outputs add one rounding of the result (2^-8 / 2^-11 relative).
 Grid: bits 4/8, group -1/32/64/128, sym/asym, act-order (g_idx) or not,
 M = 1, 3, 13 (over one microkernel), N = 48, 40 and 104 (partial panels), K = 128/256,
-x fp32/bf16/fp16, with and without bias; AWQ 4-bit through the same path.
+x fp32/bf16/fp16, with and without bias; AWQ 4-bit through the same path; odd K
+(37, 39, 66 in groups of 33, 6 in groups of 2) against the integer view directly.
 """
 
 from __future__ import annotations
@@ -84,13 +85,24 @@ def _worker() -> dict:
         for m in (1, 9):
             x = torch.randn(2, m, 256, generator=gen).bfloat16()  # 3-D x
             check(f"awq g{gs} m{m}", x, w_ref, None, lay, 4, 64)
+    # odd K (not a multiple of the kernel's k unroll) straight from the integer view
+    for bits in (4, 8):
+        for k, gs in ((37, -1), (39, -1), (66, 33), (6, 2)):
+            w = torch.randn(24, k, generator=gen)
+            v = formats.quantize_rtn(w, bits, gs, False)
+            gi = v["g_idx"].long()
+            w_ref = (v["q"].double() - v["zero"].double()[:, gi]) * v["scale"].double()[:, gi]
+            lay = formats.kernel_layout(v["q"], v["zero"], v["scale"], v["g_idx"], bits)
+            for m in (1, 2, 5):
+                check(f"odd K b{bits} k{k} g{gs} m{m}", torch.randn(m, k, generator=gen), w_ref,
+                      None, lay, bits, 24)
     return {"isa": isa, "failures": failures, "cases": cases, "worst_err_over_tol": worst}
 
 
 @pytest.mark.parametrize("isa_path", ISA_PATHS)
 def test_wna16_linear_matches_reference(isa_path):
     result = run_worker(__file__, isa_path)
-    assert result["cases"] >= 872
+    assert result["cases"] >= 896
     assert result["failures"] == [], result["failures"][:20]
 
 

@@ -147,7 +147,7 @@ def quantize_checkpoint(model_dir, out_dir, fmt: str, bits: int, group_size: int
         config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     for f in model_dir.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in (
+        if f.is_file() and not f.name.startswith(".") and f.suffix != ".safetensors" and f.name not in (
                 "config.json", "quantize_config.json", "quant_config.json",
                 "model.safetensors.index.json"):
             shutil.copy2(f, out_dir / f.name)

@@ -17,24 +17,27 @@ static CB_ALWAYS_INLINE VecF32x16 load_u8x16(const uint8_t* p) {
   __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))};
 }
+// Zero-extend the 8 bytes to 32-bit lanes first (a load-op), then split the
+// nibbles with one AND and one shift on whole lanes.
 static CB_ALWAYS_INLINE VecF32x16 load_u4x16(const uint8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i m = _mm_set1_epi8(0x0f);
-  const __m128i v = _mm_unpacklo_epi64(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
-  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))};
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0x0f));
+  const __m256i hi = _mm256_srli_epi32(v, 4);
+  return {_mm512_cvtepi32_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1))};
 }
 #elif defined(CPU_BACKEND_ISA_AVX2)
-static CB_ALWAYS_INLINE VecF32x16 load_u8x16(const uint8_t* p) {
-  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
-          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b)))};
+static CB_ALWAYS_INLINE __m256i zext8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
+static CB_ALWAYS_INLINE VecF32x16 load_u8x16(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(zext8(p)), _mm256_cvtepi32_ps(zext8(p + 8))};
+}
+// Zero-extend the 8 bytes to 32-bit lanes first (a load-op), then split the
+// nibbles with one AND and one shift on whole lanes.
 static CB_ALWAYS_INLINE VecF32x16 load_u4x16(const uint8_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i m = _mm_set1_epi8(0x0f);
-  const __m128i lo = _mm_and_si128(b, m);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi))};
+  const __m256i v = zext8(p);
+  return {_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0f))),
+          _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))};
 }
 #else
 static CB_ALWAYS_INLINE VecF32x16 load_u8x16(const uint8_t* p) {
