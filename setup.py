@@ -37,6 +37,7 @@ SOURCES = [
     "csrc/attention.cpp",
     "csrc/kv_cache.cpp",
     "csrc/linear.cpp",
+    "csrc/linear_wna16.cpp",
     "csrc/norm.cpp",
     "csrc/registration.cpp",
 ]

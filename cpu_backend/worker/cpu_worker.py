@@ -29,6 +29,7 @@ from cpu_backend import ops
 from cpu_backend.worker import binding as cpu_binding
 from cpu_backend.ops.linear_layers import register_layers
 from cpu_backend.worker import memory
+from cpu_backend.quantization import register as register_quantization
 from cpu_backend.worker.model_runner import CpuBackendModelRunner
 
 logger = init_logger(f"vllm.{__name__}")
@@ -70,6 +71,7 @@ class CpuBackendWorker(CPUWorker):
         set_random_seed(self.model_config.seed)
         # Before the model is built: its layers are instantiated from these.
         register_layers()
+        register_quantization()  # also the general-plugin entry point; idempotent
         if self.use_v2_model_runner:
             # The V2 runner is the host's; our attention backend still serves it.
             from vllm.v1.worker.cpu.model_runner import CPUModelRunner as HostV2Runner
@@ -120,6 +122,7 @@ class CpuBackendWorker(CPUWorker):
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
         from cpu_backend.attention.impl import CpuBackendAttentionImpl
+        from cpu_backend.quantization.config import WNA16LinearMethod
 
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         model = self.model_runner.get_model()
@@ -147,6 +150,7 @@ class CpuBackendWorker(CPUWorker):
             "attention_impls": sorted({type(layer.impl).__qualname__ for layer in layers.values()}),
             "attention_forward_calls": CpuBackendAttentionImpl.forward_calls,
             "memory": self._memory_report(model),
+            "wna16_linear_calls": WNA16LinearMethod.apply_calls,
         }
 
     def _memory_report(self, model) -> dict:

@@ -1,0 +1,98 @@
+"""End to end: batch-1 decode of an int4 GPTQ checkpoint vs the bf16 model, on
+our plugin (one fresh subprocess per variant).
+
+    .venv/bin/python -m benchmarks.e2e_wna16 [--isa avx2] [--tokens 64] [--repeat 3]
+
+Model: integration/models.qwen25_05b_shape (Qwen2.5-0.5B's shape, random bf16
+weights, tied 151936 x 896 embedding / LM head kept in bf16), quantized once
+by `cpu_backend.tools.quantize` (GPTQ 4-bit, group 128, sym) into the model
+cache. Each variant: LLM(dtype=bfloat16), one warm-up generation, then
+`--repeat` greedy generations of `--tokens` tokens from a 16-token prompt;
+decode tok/s = (tokens - 1) / (total time - time to first token), median.
+Writes benchmarks/results/e2e_wna16.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def worker(model: str, tokens: int, repeat: int) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    from cpu_backend.quantization import register
+
+    register()
+    llm = LLM(model=model, dtype="bfloat16", max_model_len=512, seed=0)
+    prompt = {"prompt_token_ids": list(range(100, 116))}
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate([prompt], full, use_tqdm=False)  # warm-up
+    rates = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        llm.generate([prompt], first, use_tqdm=False)
+        t1 = time.perf_counter()
+        llm.generate([prompt], full, use_tqdm=False)
+        t2 = time.perf_counter()
+        rates.append((tokens - 1) / ((t2 - t1) - (t1 - t0)))
+    (rep,) = llm.collective_rpc("cpu_backend_report")
+    return {"decode_tok_s": statistics.median(rates), "samples": rates,
+            "linear_methods": rep["linear_methods"], "isa": rep["kernels_isa"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--isa", default="avx2")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--worker")
+    a = p.parse_args()
+    if a.worker:
+        print("RESULT " + json.dumps(worker(a.worker, a.tokens, a.repeat)))
+        return
+    sys.path.insert(0, str(REPO))
+    from integration import models
+
+    from cpu_backend.tools.quantize import quantize_checkpoint
+
+    root = models.default_cache_root()
+    bf16 = models.qwen25_05b_shape(root)
+    int4 = Path(os.environ.get("CPU_BACKEND_WNA16_OUT", bf16.parent / (bf16.name + "-gptq4-g128")))
+    if not (int4 / "model.safetensors").exists():
+        quantize_checkpoint(bf16, int4, "gptq", 4, 128, True)
+    rows = []
+    for name, model in (("bf16", bf16), ("gptq int4 g128", int4)):
+        env = {**os.environ, "VLLM_CPU_BACKEND_ISA": a.isa, "PYTHONPATH": str(REPO)}
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.e2e_wna16", "--worker", str(model),
+                               "--tokens", str(a.tokens), "--repeat", str(a.repeat)],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not line:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"{name} failed")
+        rows.append((name, json.loads(line[-1][7:])))
+    base = rows[0][1]["decode_tok_s"]
+    text = ["# Batch-1 decode: GPTQ int4 vs bf16 (Qwen2.5-0.5B shape, our plugin)", "",
+            f"ISA library {a.isa}; {a.tokens} tokens, median of {a.repeat}; shared 2-core machine.", "",
+            "| model | decode tok/s | vs bf16 | linear methods |", "|---|---|---|---|"]
+    for name, r in rows:
+        text.append(f"| {name} | {r['decode_tok_s']:.2f} | {r['decode_tok_s'] / base:.2f}x | "
+                    f"{', '.join(r['linear_methods'])} |")
+    out = REPO / "benchmarks" / "results" / "e2e_wna16.md"
+    out.write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+
+
+if __name__ == "__main__":
+    main()

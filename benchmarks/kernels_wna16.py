@@ -1,0 +1,129 @@
+"""Microbenchmark: weight-only int4/int8 linear (cpu_backend::wna16_linear) vs
+our bf16 linear (cpu_backend::linear), per ISA library.
+
+    .venv/bin/python benchmarks/kernels_wna16.py [--isas avx2,avx512,portable] [--threads 2]
+                                                 [--out benchmarks/results/kernels_wna16.md]
+
+Shapes: the decoder-layer linears of Qwen2.5-0.5B (qkv 1152x896, o 896x896,
+gate_up 9728x896, down 896x4864), M = 1 (decode) and 64 (prefill); x bf16,
+int4/int8 GPTQ-style group 128 with zero points. Times are medians of
+`--iters` calls, weights rotated through copies totalling > 96 MiB so M = 1
+reads come from DRAM, like a model whose layers do not stay in cache.
+"read GB/s" counts bytes actually read per call: the packed weights
+(K*N/2 or K*N bytes) plus fp32 scales and zs (2 * 4 * N * K/128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)]
+ROTATE_BYTES = 96 << 20
+
+
+def _median_ms(fn, iters):
+    fn(0)
+    ts = []
+    for i in range(iters):
+        t = time.perf_counter()
+        fn(i)
+        ts.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(ts)
+
+
+def worker(threads: int, iters: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    from cpu_backend import ops
+    from cpu_backend.ops import linear as dense
+    from cpu_backend.quantization import formats
+
+    isa = ops.load()
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for name, n, k in SHAPES:
+        w = torch.randn(n, k, generator=gen) * 0.02
+        copies_bf16 = max(1, ROTATE_BYTES // (n * k * 2))
+        packed = [dense.pack_linear_weight(w.bfloat16()) for _ in range(copies_bf16)]
+        quant = {}
+        for bits in (4, 8):
+            v = formats.quantize_rtn(w, bits, 128, sym=False)
+            lay = formats.kernel_layout(v["q"], v["zero"], v["scale"], v["g_idx"], bits)
+            nbytes = lay["qweight"].numel() + 8 * lay["scales"].numel()
+            copies = max(1, ROTATE_BYTES // nbytes)
+            quant[bits] = ([{key: (t.clone() if torch.is_tensor(t) else t) for key, t in lay.items()}
+                            for _ in range(copies)], nbytes)
+        for m in (1, 64):
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            row = {"layer": name, "n": n, "k": k, "m": m}
+            row["bf16_ms"] = _median_ms(
+                lambda i: dense.linear(x, packed[i % len(packed)], n), iters)
+            row["bf16_gbs"] = n * k * 2 / row["bf16_ms"] / 1e6
+            for bits, (lays, nbytes) in quant.items():
+                def call(i, lays=lays, bits=bits):
+                    lay = lays[i % len(lays)]
+                    torch.ops.cpu_backend.wna16_linear(x, lay["qweight"], lay["scales"], lay["zs"],
+                                                       bits, lay["group_size"], n, None, None)
+                ms = _median_ms(call, iters)
+                row[f"int{bits}_ms"] = ms
+                row[f"int{bits}_gbs"] = nbytes / ms / 1e6
+            rows.append(row)
+    return {"isa": isa, "threads": threads, "rows": rows}
+
+
+def render(results: list[dict]) -> str:
+    out = ["# wna16_linear vs bf16 linear (Qwen2.5-0.5B decoder shapes, x bf16)", "",
+           "Medians; GB/s = bytes actually read per call. Shared 2-core machine: noisy.", ""]
+    for r in results:
+        out += [f"## {r['isa']} ({r['threads']} threads)", "",
+                "| layer | M | bf16 ms | int8 ms | int4 ms | int4 speedup vs bf16 | bf16 GB/s | int8 GB/s | int4 GB/s |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for x in r["rows"]:
+            out.append(f"| {x['layer']} {x['n']}x{x['k']} | {x['m']} | {x['bf16_ms']:.3f} | "
+                       f"{x['int8_ms']:.3f} | {x['int4_ms']:.3f} | {x['bf16_ms'] / x['int4_ms']:.2f}x | "
+                       f"{x['bf16_gbs']:.1f} | {x['int8_gbs']:.1f} | {x['int4_gbs']:.1f} |")
+        dec = [x for x in r["rows"] if x["m"] == 1]
+        tot_bf16 = sum(x["bf16_ms"] for x in dec)
+        tot_int4 = sum(x["int4_ms"] for x in dec)
+        out += ["", f"One decoder layer at M=1: bf16 {tot_bf16:.3f} ms, int4 {tot_int4:.3f} ms "
+                f"({tot_bf16 / tot_int4:.2f}x)", ""]
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--isas", default="avx2,avx512")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--out", default="benchmarks/results/kernels_wna16.md")
+    p.add_argument("--worker", action="store_true")
+    a = p.parse_args()
+    if a.worker:
+        print("RESULT " + json.dumps(worker(a.threads, a.iters)))
+        return
+    results = []
+    for isa in a.isas.split(","):
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", "--threads", str(a.threads), "--iters", str(a.iters)],
+            env={**os.environ, "VLLM_CPU_BACKEND_ISA": isa}, capture_output=True, text=True)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not line:
+            print(proc.stderr[-2000:], file=sys.stderr)
+            raise SystemExit(f"{isa} worker failed")
+        results.append(json.loads(line[-1][7:]))
+    text = render(results)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""Quantized checkpoints on our kernels.
+
+`register()` (idempotent) adds our quantization configs to the host
+(`config.py`). It runs as the `vllm.general_plugins` entry point
+`cpu_backend_quantization`, which the host loads in every process (front end,
+engine core, workers) before it reads a model's config; our worker calls it
+too. `formats.py` is the pure-torch GPTQ/AWQ format code shared by the
+loader and the checkpoint writer (`python -m cpu_backend.tools.quantize`).
+"""
+
+from __future__ import annotations
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    from vllm.model_executor.layers.quantization import register_quantization_config
+
+    from cpu_backend.quantization import config
+
+    for cls in (config.CpuBackendGPTQConfig, config.CpuBackendAWQConfig,
+                config.CpuBackendCompressedTensorsWNA16Config):
+        register_quantization_config(cls.get_name())(cls)
+    _registered = True

@@ -1,0 +1,227 @@
+"""GPTQ and AWQ checkpoint tensors <-> integer weights, in pure torch.
+
+Integer view used everywhere here (for one linear layer, K inputs, N outputs):
+    q [N, K] int (0 .. 2^bits-1), zero [N, G] int, scale [N, G] float,
+    g_idx [K] int (group of input k; k // group_size without act-order),
+    weight[n, k] = (q[n, k] - zero[n, g_idx[k]]) * scale[n, g_idx[k]].
+
+GPTQ (AutoGPTQ / GPTQModel, checkpoint_format "gptq", i.e. v1):
+    qweight [K/pf, N] int32, pf = 32/bits values packed along K, value j of a
+        word in bits [bits*j, bits*(j+1));
+    qzeros [G, N/pf] int32 packed along N, storing zero - 1 (the v1 off-by-one;
+        "gptq_v2" stores zero itself), wrapped to `bits` bits;
+    scales [G, N] float16; g_idx [K] int32.
+AWQ (AutoAWQ "GEMM" version, 4-bit only):
+    qweight [K, N/8] int32 packed along N in the order AWQ_PACK_ORDER
+        (nibble i of word c holds column 8c + AWQ_PACK_ORDER[i]);
+    qzeros [G, N/8] int32, same packing, zero itself; scales [G, N] float16.
+
+`quantize_rtn` makes the integer view by round-to-nearest; the kernel layout
+for cpu_backend::wna16_linear is made by `kernel_layout`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+# nibble i of a packed AWQ word -> column offset AWQ_PACK_ORDER[i]; unpacking
+# takes column c from nibble AWQ_REVERSE_ORDER[c].
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+KERNEL_NR = 16  # output columns per panel in csrc/linear_wna16.cpp
+
+
+def _shifts(bits: int) -> torch.Tensor:
+    return torch.arange(0, 32, bits, dtype=torch.int64)
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Pack unsigned `bits`-bit values (any int dtype) along `dim` into int32."""
+    pf = 32 // bits
+    v = values.to(torch.int64).movedim(dim, -1)
+    assert v.shape[-1] % pf == 0, f"size {v.shape[-1]} is not a multiple of {pf}"
+    v = (v & ((1 << bits) - 1)).reshape(*v.shape[:-1], -1, pf)
+    words = (v << _shifts(bits)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.movedim(-1, dim).contiguous()
+
+
+def unpack_int32(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Inverse of pack_int32: int32 words -> unsigned values (int32), `dim` grown by 32/bits."""
+    w = words.to(torch.int64).movedim(dim, -1) & 0xFFFFFFFF
+    v = (w.unsqueeze(-1) >> _shifts(bits)) & ((1 << bits) - 1)
+    v = v.reshape(*w.shape[:-1], -1)
+    return v.movedim(-1, dim).to(torch.int32).contiguous()
+
+
+# ------------------------------------------------------------------ RTN ---
+
+
+def quantize_rtn(
+    weight: torch.Tensor,
+    bits: int,
+    group_size: int,
+    sym: bool,
+    perm: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Round-to-nearest quantization of weight [N, K] (min/max per group).
+
+    group_size -1: one group per output row. `perm` (act-order): inputs are
+    grouped in the order perm (the first group_size of perm form group 0, ...).
+    Returns q [N, K], zero [N, G], scale [N, G] (float32), g_idx [K].
+    sym: zero = 2^(bits-1) and scale = max|w| / (2^(bits-1) - 1/2) rounded
+    the way GPTQ does it (scale = 2 max|w| / maxq).
+    """
+    w = weight.float()
+    n, k = w.shape
+    gs = k if group_size == -1 else group_size
+    if k % gs:
+        raise ValueError(f"group_size={group_size} does not divide in_features={k}")
+    order = torch.arange(k) if perm is None else perm.to(torch.int64)
+    g_idx = torch.empty(k, dtype=torch.int32)
+    g_idx[order] = (torch.arange(k) // gs).to(torch.int32)
+    wg = w[:, order].reshape(n, k // gs, gs)
+    maxq = (1 << bits) - 1
+    wmin = wg.amin(-1).clamp(max=0)
+    wmax = wg.amax(-1).clamp(min=0)
+    if sym:
+        amax = torch.maximum(wmin.abs(), wmax)
+        scale = 2 * amax / maxq
+        zero = torch.full_like(scale, float((maxq + 1) // 2))
+    else:
+        scale = (wmax - wmin) / maxq
+        zero = torch.round(-wmin / torch.where(scale == 0, 1.0, scale))
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    # the checkpoint stores scales as fp16: quantize against that value
+    scale = scale.half().float()
+    q = torch.clamp(torch.round(wg / scale.unsqueeze(-1)) + zero.unsqueeze(-1), 0, maxq)
+    q_sorted = q.reshape(n, k).to(torch.int32)
+    q_out = torch.empty_like(q_sorted)
+    q_out[:, order] = q_sorted
+    return {"q": q_out, "zero": zero.to(torch.int32), "scale": scale, "g_idx": g_idx}
+
+
+def dequantize(q, zero, scale, g_idx) -> torch.Tensor:
+    """The float32 weight [N, K] of the integer view."""
+    gi = g_idx.to(torch.int64)
+    return (q.float() - zero.float()[:, gi]) * scale.float()[:, gi]
+
+
+# ----------------------------------------------------------------- GPTQ ---
+
+
+def gptq_pack(q, zero, scale, g_idx, bits: int, checkpoint_format: str = "gptq") -> dict:
+    """Integer view -> GPTQ tensors (qweight, qzeros, scales, g_idx)."""
+    zstore = zero - 1 if checkpoint_format == "gptq" else zero
+    return {
+        "qweight": pack_int32(q.t(), bits, dim=0),
+        "qzeros": pack_int32(zstore.t(), bits, dim=1),
+        "scales": scale.t().contiguous().half(),
+        "g_idx": g_idx.to(torch.int32).contiguous(),
+    }
+
+
+def gptq_unpack(qweight, qzeros, scales, g_idx, bits: int, checkpoint_format: str = "gptq") -> dict:
+    """GPTQ tensors -> integer view (q [N, K], zero [N, G], scale [N, G], g_idx)."""
+    q = unpack_int32(qweight, bits, dim=0).t().contiguous()
+    z = unpack_int32(qzeros, bits, dim=1)[:, : scales.shape[1]]
+    if checkpoint_format == "gptq":
+        z = (z + 1) & ((1 << bits) - 1)
+    return {"q": q, "zero": z.t().contiguous(), "scale": scales.t().float().contiguous(),
+            "g_idx": g_idx.to(torch.int32)}
+
+
+# ------------------------------------------------------------------ AWQ ---
+
+
+def _awq_interleave(cols: torch.Tensor, order) -> torch.Tensor:
+    k, n = cols.shape
+    return cols.reshape(k, n // 8, 8)[:, :, list(order)].reshape(k, n)
+
+
+def awq_pack(q, zero, scale, bits: int = 4) -> dict:
+    """Integer view -> AutoAWQ GEMM tensors (qweight, qzeros, scales)."""
+    assert bits == 4
+    return {
+        "qweight": pack_int32(_awq_interleave(q.t(), AWQ_PACK_ORDER), bits, dim=1),
+        "qzeros": pack_int32(_awq_interleave(zero.t(), AWQ_PACK_ORDER), bits, dim=1),
+        "scales": scale.t().contiguous().half(),
+    }
+
+
+def awq_unpack(qweight, qzeros, scales, bits: int = 4) -> dict:
+    """AutoAWQ GEMM tensors -> integer view (g_idx is k // group_size)."""
+    q = _awq_interleave(unpack_int32(qweight, bits, dim=1), AWQ_REVERSE_ORDER)
+    z = _awq_interleave(unpack_int32(qzeros, bits, dim=1), AWQ_REVERSE_ORDER)
+    k, g = q.shape[0], scales.shape[0]
+    g_idx = (torch.arange(k) // (k // g)).to(torch.int32)
+    return {"q": q.t().contiguous(), "zero": z.t().contiguous(),
+            "scale": scales.t().float().contiguous(), "g_idx": g_idx}
+
+
+# ---------------------------------------------------- compressed-tensors ---
+
+
+def ct_pack(q, zero, scale, bits: int, sym: bool, dtype=torch.bfloat16) -> dict:
+    """Integer view -> compressed-tensors pack-quantized tensors. The library
+    stores signed values q - 2^(bits-1) re-offset by +2^(bits-1), i.e. our
+    unsigned q; the zero point likewise (absent when symmetric)."""
+    n, k = q.shape
+    out = {
+        "weight_packed": pack_int32(q, bits, dim=1),
+        "weight_scale": scale.to(dtype).contiguous(),
+        "weight_shape": torch.tensor([n, k], dtype=torch.int64),
+    }
+    if not sym:
+        out["weight_zero_point"] = pack_int32(zero, bits, dim=0)
+    return out
+
+
+def ct_unpack(weight_packed, weight_scale, weight_zero_point, bits: int) -> dict:
+    """compressed-tensors pack-quantized tensors -> integer view."""
+    q = unpack_int32(weight_packed, bits, dim=1)
+    n, g = weight_scale.shape
+    if weight_zero_point is None:
+        zero = torch.full((n, g), 1 << (bits - 1), dtype=torch.int32)
+    else:
+        zero = unpack_int32(weight_zero_point, bits, dim=0)[:n]
+    k = q.shape[1]
+    return {"q": q, "zero": zero, "scale": weight_scale.float(),
+            "g_idx": (torch.arange(k) // (k // g)).to(torch.int32)}
+
+
+# --------------------------------------------------------- kernel layout ---
+
+
+def kernel_layout(q, zero, scale, g_idx, bits: int) -> dict:
+    """Integer view -> the operands of cpu_backend::wna16_linear.
+
+    Returns qweight [P, K, 8|16] uint8, scales / zs [P, G, 16] float32,
+    group_size, and perm [K] int64 or None (None when g_idx is k // group_size).
+    Raises ValueError when the groups of g_idx are not all the same size.
+    """
+    n, k = q.shape
+    g = scale.shape[1]
+    gi = g_idx.to(torch.int64)
+    counts = torch.bincount(gi, minlength=g)
+    if g == 0 or k % g or not bool((counts == k // g).all()):
+        raise ValueError("g_idx: every group must hold in_features / num_groups inputs")
+    gs = k // g
+    perm = torch.sort(gi, stable=True).indices
+    identity = bool((perm == torch.arange(k)).all())
+    qs = q if identity else q[:, perm]
+    p = -(-n // KERNEL_NR)
+    pad = p * KERNEL_NR - n
+    qs = torch.nn.functional.pad(qs.to(torch.uint8), (0, 0, 0, pad))  # [P*16, K]
+    panels = qs.reshape(p, KERNEL_NR, k).permute(0, 2, 1)  # [P, K, 16]
+    if bits == 4:
+        panels = panels[..., :8] | (panels[..., 8:] << 4)
+    s = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
+    zs = torch.nn.functional.pad(-zero.float() * scale.float(), (0, 0, 0, pad))
+    return {
+        "qweight": panels.contiguous(),
+        "scales": s.reshape(p, KERNEL_NR, g).permute(0, 2, 1).contiguous(),
+        "zs": zs.reshape(p, KERNEL_NR, g).permute(0, 2, 1).contiguous(),
+        "group_size": gs,
+        "perm": None if identity else perm.contiguous(),
+    }

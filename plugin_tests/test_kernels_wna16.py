@@ -1,0 +1,127 @@
+"""cpu_backend::wna16_linear (csrc/linear_wna16.cpp) on every ISA library
+against a float64 reference: x @ dequant(W)^T + b, with dequant from the
+GPTQ / AWQ reference dequantizers (plugin_tests/quant_reference.py) of
+tensors packed by cpu_backend.quantization.formats.
+
+Tolerance: the kernel widens x to fp32 and accumulates in fp32 (weights are
+exact small integers times a fp32 scale, plus zs = -zero*scale rounded once):
+|y - ref| <= 1e-4 * (|x| @ |W|^T + |b|) + 1e-5 for fp32 output; bf16/fp16
+outputs add one rounding of the result (2^-8 / 2^-11 relative).
+Grid: bits 4/8, group -1/32/64/128, sym/asym, act-order (g_idx) or not,
+M = 1, 3, 13 (over one microkernel), N = 48, 40 and 104 (partial panels), K = 128/256,
+x fp32/bf16/fp16, with and without bias; AWQ 4-bit through the same path; odd K
+(37, 39, 66 in groups of 33, 6 in groups of 2) against the integer view directly.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+try:
+    from plugin_tests.isa_worker import ISA_PATHS, run_worker
+except ImportError:  # run as the worker script
+    ISA_PATHS, run_worker = [], None
+
+
+def _worker() -> dict:
+    import os
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from cpu_backend import ops
+    from cpu_backend.quantization import formats
+    from plugin_tests import quant_reference as ref
+
+    isa = ops.load()
+    gen = torch.Generator().manual_seed(5)
+    failures, cases, worst = [], 0, 0.0
+    rel_out = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+    def check(label, x, w_ref, bias, lay, bits, n):
+        nonlocal cases, worst
+        y = torch.ops.cpu_backend.wna16_linear(x, lay["qweight"], lay["scales"], lay["zs"], bits,
+                                               lay["group_size"], n, lay["perm"], bias)
+        want = x.double() @ w_ref.T
+        mag = x.double().abs() @ w_ref.abs().T
+        if bias is not None:
+            want = want + bias.double()
+            mag = mag + bias.double().abs()
+        tol = 1e-4 * mag + 1e-5 + rel_out[x.dtype] * want.abs()
+        err = (y.double() - want).abs()
+        cases += 1
+        worst = max(worst, float((err / tol).max()))
+        if y.dtype != x.dtype or y.shape != want.shape or not bool((err <= tol).all()):
+            failures.append(f"{label}: max err {float(err.max()):.3g}")
+
+    for bits in (4, 8):
+        for gs in (-1, 32, 64, 128):
+            for sym in (True, False):
+                for act in (False, True):
+                    for n, k in ((48, 128), (40, 256), (104, 256)):
+                        w = torch.randn(n, k, generator=gen) * 0.05
+                        perm = torch.randperm(k, generator=gen) if act else None
+                        v = formats.quantize_rtn(w, bits, gs, sym, perm)
+                        t = formats.gptq_pack(v["q"], v["zero"], v["scale"], v["g_idx"], bits)
+                        w_ref = ref.gptq_dequantize(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits)
+                        back = formats.gptq_unpack(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits)
+                        lay = formats.kernel_layout(back["q"], back["zero"], back["scale"], back["g_idx"], bits)
+                        for m in (1, 3, 13):
+                            for dt in (torch.float32, torch.bfloat16, torch.float16):
+                                x = torch.randn(m, k, generator=gen).to(dt)
+                                bias = torch.randn(n, generator=gen).to(dt) if m == 3 else None
+                                check(f"gptq b{bits} g{gs} sym{sym} act{act} {m}x{k}x{n} {dt}",
+                                      x, w_ref, bias, lay, bits, n)
+    for gs in (-1, 32, 64, 128):
+        w = torch.randn(64, 256, generator=gen) * 0.05
+        v = formats.quantize_rtn(w, 4, gs, False)
+        t = formats.awq_pack(v["q"], v["zero"], v["scale"])
+        w_ref = ref.awq_dequantize(t["qweight"], t["qzeros"], t["scales"], gs)
+        back = formats.awq_unpack(t["qweight"], t["qzeros"], t["scales"])
+        lay = formats.kernel_layout(back["q"], back["zero"], back["scale"], back["g_idx"], 4)
+        for m in (1, 9):
+            x = torch.randn(2, m, 256, generator=gen).bfloat16()  # 3-D x
+            check(f"awq g{gs} m{m}", x, w_ref, None, lay, 4, 64)
+    # odd K (not a multiple of the kernel's k unroll) straight from the integer view
+    for bits in (4, 8):
+        for k, gs in ((37, -1), (39, -1), (66, 33), (6, 2)):
+            w = torch.randn(24, k, generator=gen)
+            v = formats.quantize_rtn(w, bits, gs, False)
+            gi = v["g_idx"].long()
+            w_ref = (v["q"].double() - v["zero"].double()[:, gi]) * v["scale"].double()[:, gi]
+            lay = formats.kernel_layout(v["q"], v["zero"], v["scale"], v["g_idx"], bits)
+            for m in (1, 2, 5):
+                check(f"odd K b{bits} k{k} g{gs} m{m}", torch.randn(m, k, generator=gen), w_ref,
+                      None, lay, bits, 24)
+    return {"isa": isa, "failures": failures, "cases": cases, "worst_err_over_tol": worst}
+
+
+@pytest.mark.parametrize("isa_path", ISA_PATHS)
+def test_wna16_linear_matches_reference(isa_path):
+    result = run_worker(__file__, isa_path)
+    assert result["cases"] >= 896
+    assert result["failures"] == [], result["failures"][:20]
+
+
+def test_wna16_linear_rejects_bad_operands():
+    import torch
+
+    from cpu_backend import ops
+
+    ops.load()
+    q = torch.zeros(1, 64, 8, dtype=torch.uint8)
+    s = torch.zeros(1, 2, 16)
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        torch.ops.cpu_backend.wna16_linear(x, q, s, s, 3, 32, 16)
+    with pytest.raises(RuntimeError, match="group_size=48"):
+        torch.ops.cpu_backend.wna16_linear(x, q, s, s, 4, 48, 16)
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.cpu_backend.wna16_linear(torch.randn(1, 63), q, s, s, 4, 32, 16)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
+    print(json.dumps(_worker()))
