@@ -139,8 +139,9 @@ def ran_what(llm) -> str:
         return f"report unavailable ({type(exc).__name__})"
     backends = ",".join(rep.get("attention_backends") or ["(no Attention layers: MLA/other)"])
     native = rep.get("attention_native")
-    return f"attention {backends}" + (f", native kernel {native}" if native else "") + \
+    text = f"attention {backends}" + (f", native kernel {native}" if native else "") + \
         f", linear {','.join(rep.get('linear_methods', []))}"
+    return text
 
 
 def greedy_tokens(llm, prompts, n):
@@ -207,7 +208,10 @@ def agreement(llm, ref: Reference, kind: str) -> str:
     top-1 on >= MIN_DECIDED_AGREEMENT[kind] of the *decided* positions (fp32
     top-1 leads by >= DECIDED_MARGIN nats; below that, rounding alone decides),
     and overall agreement may trail transformers-bf16's own by at most
-    MAX_BELOW_HF_BF16[kind].
+    MAX_BELOW_HF_BF16[kind]. Where transformers' own bf16 model stays under
+    the decided bound (a tiny MoE whose router flips experts under bf16
+    rounding), the decided bound is transformers-bf16's decided agreement
+    minus the same slack: we cannot demand more than the reference achieves.
     """
     from vllm import SamplingParams
 
@@ -215,7 +219,7 @@ def agreement(llm, ref: Reference, kind: str) -> str:
     seqs = [p + c for p, c in zip(ref.prompts, conts)]
     outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
                         SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0), use_tqdm=False)
-    n = agree = decided = agree_decided = hf_agree = 0
+    n = agree = decided = agree_decided = hf_agree = hf_agree_decided = 0
     max_diff = 0.0
     for prompt, seq, out in zip(ref.prompts, seqs, outs):
         lp32, lp16 = ref.logprobs(seq), ref.logprobs(seq, bf16=True)
@@ -226,20 +230,24 @@ def agreement(llm, ref: Reference, kind: str) -> str:
             want = int(top2.indices[0])
             n += 1
             agree += ours == want
-            hf_agree += int(lp16[i - 1].argmax()) == want
+            hf_ok = int(lp16[i - 1].argmax()) == want
+            hf_agree += hf_ok
             if float(top2.values[0] - top2.values[1]) >= DECIDED_MARGIN:
                 decided += 1
                 agree_decided += ours == want
+                hf_agree_decided += hf_ok
             max_diff = max(max_diff, abs(entry[seq[i]].logprob - float(lp32[i - 1, seq[i]])))
     detail = (f"top-1 agreement {agree_decided}/{decided} decided positions "
               f"({agree_decided / max(decided, 1):.3f}), {agree}/{n} overall "
-              f"(transformers bf16: {hf_agree}/{n}); max |logprob diff| {max_diff:.3f}")
+              f"(transformers bf16: {hf_agree_decided}/{decided} decided, {hf_agree}/{n} overall); "
+              f"max |logprob diff| {max_diff:.3f}")
     if decided < n // 2:
         raise CellFailure(f"too few decided positions to judge: {detail}")
-    if agree_decided / decided < MIN_DECIDED_AGREEMENT[kind] or \
-            agree / n < hf_agree / n - MAX_BELOW_HF_BF16[kind]:
-        raise CellFailure(f"below bound (decided >= {MIN_DECIDED_AGREEMENT[kind]}, overall >= "
-                          f"transformers bf16 - {MAX_BELOW_HF_BF16[kind]}): {detail}")
+    slack = MAX_BELOW_HF_BF16[kind]
+    decided_bound = min(MIN_DECIDED_AGREEMENT[kind], hf_agree_decided / decided - slack)
+    if agree_decided / decided < decided_bound or agree / n < hf_agree / n - slack:
+        raise CellFailure(f"below bound (decided >= {decided_bound:.3f}, overall >= "
+                          f"transformers bf16 - {slack}): {detail}")
     return detail
 
 
@@ -248,21 +256,26 @@ def agreement(llm, ref: Reference, kind: str) -> str:
 # --------------------------------------------------------------------------
 
 
+_GENERIC = ("Engine core initialization failed", "EngineDeadError", "WorkerProc initialization failed",
+            "died unexpectedly", "See root cause above", "See stack trace for root cause")
+
+
 def _reason(exc: BaseException, log: Path | None, log_start: int) -> str:
     """A one-line cause: the exception, or for an engine that died in its own
-    process, the last error line it printed to the shared log."""
+    process, the first root-cause error it printed to the shared log."""
     msg = f"{type(exc).__name__}: {exc}".strip()
-    generic = ("Engine core initialization failed" in msg or "EngineDeadError" in msg
-               or "WorkerProc initialization failed" in msg or "died unexpectedly" in msg)
+    generic = any(g in msg for g in _GENERIC)
     if generic and log is not None and log.exists():
         with open(log, errors="replace") as fh:
             fh.seek(log_start)
             lines = fh.read().splitlines()
-        errors = [ln.strip() for ln in lines
-                  if re.match(r"^\s*(\(\w+ pid=\d+\)\s*)?[\w.]*(Error|Exception|Interrupt)\b.*:", ln)
-                  and "Engine core initialization failed" not in ln]
-        if errors:
-            msg = errors[-1] + f"  [engine: {msg.splitlines()[0][:120]}]"
+        # vLLM logs the root cause in the failing process as
+        # "(Worker pid=N) ERROR <date> [file:line] SomeError: message": take the first.
+        for ln in lines:
+            m = re.search(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.*)$", ln)
+            if m and not any(g in ln for g in _GENERIC):
+                msg = f"{m.group(1)}: {m.group(2).strip()}  [engine start failed]"
+                break
     msg = " ".join(msg.split())
     # pydantic's echo of every engine argument says nothing about the cause.
     msg = re.sub(r"\s*\[type=\w+, input_value=.*?input_type=\w+\]", "", msg)
