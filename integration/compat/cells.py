@@ -274,7 +274,7 @@ def _reason(exc: BaseException, log: Path | None, log_start: int) -> str:
         for ln in lines:
             m = re.search(r"\b([A-Za-z_][\w.]*(?:Error|Exception)): (.*)$", ln)
             if m and not any(g in ln for g in _GENERIC):
-                msg = f"{m.group(1)}: {m.group(2).strip()}  [engine start failed]"
+                msg = f"{m.group(1)}: {m.group(2).strip()}  [root cause in the engine log]"
                 break
     msg = " ".join(msg.split())
     # pydantic's echo of every engine argument says nothing about the cause.
