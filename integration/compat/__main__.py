@@ -5,7 +5,7 @@ SmolLM2-135M-Instruct), runs `integration.compat.cells` in a subprocess of its
 own (a crash costs one row, not the matrix), then writes
 ``docs/compatibility.md`` and ``docs/compatibility.json``.
 
-    python -m integration.compat                         # everything (~1 h on 2 cores)
+    python -m integration.compat                         # everything (hours on 2 busy cores)
     python -m integration.compat --rows Llama,GPT-2 --features fp32,bf16
     python -m integration.compat --merge --features w8a8 # re-run some cells, keep the rest
 """
@@ -141,7 +141,7 @@ def render_markdown(data: dict) -> str:
         "",
         *[f"- `{c.strip()}`" for c in data["command"].split("; ")],
         "",
-        "Regenerate: `python -m integration.compat` (all rows and cells, ~1 h on 2 busy cores; "
+        "Regenerate: `python -m integration.compat` (all rows and cells: one engine start per row and configuration, 1-1.5 min each on 2 busy cores; "
         "`--rows`/`--features` select, `--merge` keeps the other cells).",
         "",
         "Every row is a tiny random-weight checkpoint built from a transformers config "
