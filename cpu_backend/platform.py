@@ -128,7 +128,13 @@ class CpuBackendPlatform(CpuPlatform):
         from vllm.config import CompilationMode
 
         super().apply_config_platform_defaults(vllm_config)
-        if vllm_config.compilation_config.mode is None:
+        model_config = vllm_config.model_config
+        # MLA attention runs on the host's CPU backend, whose eager path gives
+        # wrong tokens (found by the compatibility matrix: DeepSeek-V2 is
+        # correct only compiled, with or without this plugin): keep the host's
+        # compiled default there.
+        uses_mla = model_config is not None and getattr(model_config, "use_mla", False)
+        if vllm_config.compilation_config.mode is None and not uses_mla:
             vllm_config.compilation_config.mode = CompilationMode.NONE
 
     @classmethod

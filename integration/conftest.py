@@ -23,6 +23,14 @@ os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
 from integration import models  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every test here is in the `integration` lane (`pytest -m integration`)."""
+    here = os.path.dirname(__file__)
+    for item in items:
+        if str(item.fspath).startswith(here):
+            item.add_marker(pytest.mark.integration)
+
+
 @pytest.fixture(scope="session")
 def model_root():
     return models.default_cache_root()
