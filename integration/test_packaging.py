@@ -178,9 +178,11 @@ def test_vllm_serve_from_the_fresh_venv_via_the_image_entrypoint(built, smollm2)
     env = _env(built.runtime)
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="", HF_HUB_OFFLINE="1")
     env.pop("LD_PRELOAD", None)
+    # None removes it: vLLM engines started earlier in this pytest process set
+    # LD_PRELOAD in os.environ (the host's CPU platform does), which serve() inherits.
     with serve(
         smollm2, "--max-model-len", "1024", "--served-model-name", "smol",
-        env=env, command=[ENTRYPOINT],
+        env={**env, "LD_PRELOAD": None}, command=[ENTRYPOINT],
     ) as server:
         health = subprocess.run([STEPS, "healthcheck", str(server.port)], env=env)
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
