@@ -48,8 +48,7 @@ class AttentionParams:
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Key and value views `[num_blocks, num_kv_heads, block_size, head_size]`
     of a float cache (no scales)."""
-    head_size = kv_cache.shape[-1] // 2
-    return kv_cache[..., :head_size], kv_cache[..., head_size:]
+    return kv_sources(kv_cache, kv_cache.shape[-1] // 2)
 
 
 class DequantizedCache:

@@ -44,11 +44,6 @@ class KVCacheDtypeHandler:
         """Elements per (token, kv head) row: key, value, then scales."""
         return 2 * head_size + (SCALE_BYTES if self.per_row_scales else 0)
 
-    def bytes_per_token(self, head_size: int, num_kv_heads: int, model_dtype: torch.dtype) -> int:
-        """Cache bytes one token takes in one layer."""
-        elem = torch.empty((), dtype=self.storage_dtype(model_dtype)).element_size()
-        return num_kv_heads * self.row_elems(head_size) * elem
-
     def quantize(
         self, x: torch.Tensor, tensor_scale: float, storage: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
