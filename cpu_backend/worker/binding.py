@@ -19,6 +19,7 @@ import torch
 from vllm.logger import init_logger
 
 from cpu_backend import topology
+from cpu_backend.worker import memory
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -120,7 +121,8 @@ def check_node_fits(*, weights_bytes: int, kv_bytes: int, node: int, free_bytes:
     need = weights_bytes + kv_bytes
     if need > free_bytes:
         raise NodeMemoryError(
-            f"NUMA node {node} has {free_bytes / _GiB:.2f} GiB free, but this rank needs "
+            f"NUMA node {node} has {free_bytes / _GiB:.2f} GiB free (within the container's "
+            f"memory limit, if any), but this rank needs "
             f"{need / _GiB:.2f} GiB ({weights_bytes / _GiB:.2f} GiB weight shard + "
             f"{kv_bytes / _GiB:.2f} GiB KV cache). Lower VLLM_CPU_KVCACHE_SPACE, use a "
             "larger --tensor-parallel-size, or bind ranks to other nodes "
@@ -145,11 +147,10 @@ def check_before_load(vllm_config, binding: topology.RankBinding | None) -> None
     pp = vllm_config.parallel_config.pipeline_parallel_size
     weights = size // (tp * pp)
     kv = vllm_config.cache_config.kv_cache_memory_bytes or 0
-    topo = topology.discover()
-    node = binding.node if binding is not None else topo.node_of.get(min(os.sched_getaffinity(0)), 0)
-    free = topo.node_free_bytes.get(node)
-    if free is None:
-        return
+    node = binding.node if binding is not None else memory.worker_memory_node()
+    # The same reading the KV plan uses after loading: the node, capped by a
+    # container's limit.
+    free = memory.read_memory(node).free_now
     check_node_fits(weights_bytes=weights, kv_bytes=kv, node=node, free_bytes=free)
     logger.info(
         "cpu_backend: node %d has %.2f GiB free for this rank's %.2f GiB weight shard + "
