@@ -42,7 +42,7 @@ def test_rss_after_start_is_weights_runtime_plus_kv(tiny_llama, monkeypatch):
     "args, space, expected",
     [
         # caught before the weights load (worker/binding.py); KV sizing checks again after profiling
-        ([], "100000", "GiB free, but this rank needs 100000.00 GiB (0.00 GiB weight shard + 100000.00 GiB KV cache). "
+        ([], "100000", "GiB free (within the container's memory limit, if any), but this rank needs 100000.00 GiB (0.00 GiB weight shard + 100000.00 GiB KV cache). "
                        "Lower VLLM_CPU_KVCACHE_SPACE"),
         (["--kv-cache-memory-bytes", "10000"], None,
          "--kv-cache-memory-bytes=10000 gives 0.00 GiB of KV cache, less than one sequence of max_model_len=1024 needs"),
