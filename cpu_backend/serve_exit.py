@@ -50,7 +50,10 @@ def _exit_if_engine_died() -> None:
         return
     print(f"cpu_backend: the engine died while serving ({reason}, see the log above); "
           f"vllm serve exits with status {EXIT_STATUS}.", file=sys.stderr, flush=True)
-    logging.shutdown()  # the handlers os._exit would skip
+    # os._exit skips the atexit handlers registered before ours (logging's
+    # among them): flush the log. Shared memory of the dead engine is
+    # unlinked by multiprocessing's resource tracker when it sees us exit.
+    logging.shutdown()
     sys.stdout.flush()
     os._exit(EXIT_STATUS)
 

@@ -90,6 +90,32 @@ def shm_segments() -> set[str]:
             if p.name.startswith(PREFIX) or p.name.startswith("psm_")}
 
 
+def mapped_shm() -> set[str]:
+    """/dev/shm names some live process maps (other engines on the machine
+    create and use psm_* segments too: those are not leaks)."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if "/dev/shm/" in line and not line.endswith("(deleted)"):
+                names.add(line.rsplit("/", 1)[1])
+    return names
+
+
+def leaked_shm(before: set[str], settle_s: float = 15) -> set[str]:
+    """Segments that appeared since `before` and that no live process maps,
+    after giving the resource tracker `settle_s` to unlink them."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        leaked = (shm_segments() - before) - mapped_shm()
+        if not leaked or time.monotonic() > deadline:
+            return leaked
+        time.sleep(1)
+
+
 def token_prompts(n: int, seed: int, lengths=(4, 24, 60, 120, 200)) -> list[list[int]]:
     """Mixed-length random token-id prompts (tiny models' vocab is 1000)."""
     rng = random.Random(seed)

@@ -86,7 +86,7 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server):
         healthy = server.get("/health") is not None
         results[name] = (status, healthy, text[:160])
     # A good request still gets its tokens after all that.
-    status, text = _post(server, "/v1/completions",
+    status, good = _post(server, "/v1/completions",
                          {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
     rows = {name: {"status": s, "healthy_after": h} for name, (s, h, _) in results.items()}
     rel.record("bad_input", "requests", {"cases": rows, "good_request_after": status})
@@ -94,7 +94,7 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server):
         print(f"{name}: {s} {text}")
     bad = {n: r for n, r in results.items() if not (400 <= r[0] < 500 and r[1])}
     assert not bad, bad
-    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 4
+    assert status == 200 and json.loads(good)["usage"]["completion_tokens"] == 4
     assert server.proc.poll() is None
 
 
@@ -102,7 +102,7 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server):
 
 def _serve_fails(model: str, env: dict, *args: str) -> str:
     code, out = run_vllm(["serve", model, "--max-model-len", "256", "--port", "1", *args],
-                         env=env, timeout=600)
+                         env=env, timeout=400)
     assert code != 0, out[-3000:]
     assert "Application startup complete" not in out
     return out

@@ -31,13 +31,11 @@ MODEL = "tiny"
 DEADLINE_S = 30
 
 
-def _shm_of(pids: set[int]) -> set[str]:
+def _kmp_files(pids: set[int]) -> set[str]:
     from cpu_backend.shm_group import SHM_DIR
 
-    names = rel.shm_segments()
-    names |= {p.name for p in SHM_DIR.glob("__KMP_REGISTERED_LIB_*")
-              if int(p.name.split("_")[-2]) in pids}
-    return names
+    return {p.name for p in SHM_DIR.glob("__KMP_REGISTERED_LIB_*")
+            if int(p.name.split("_")[-2]) in pids}
 
 
 def test_killed_tp_worker_takes_the_server_down_cleanly(tiny_llama):
@@ -80,7 +78,7 @@ def test_killed_tp_worker_takes_the_server_down_cleanly(tiny_llama):
         left = rel.alive(tree - {server.proc.pid})
         log = server.log()
 
-    shm_leaked = _shm_of(tree) - shm_before
+    shm_leaked = rel.leaked_shm(shm_before) | _kmp_files(tree)
     outcomes = load.outcomes
     row = {
         "fault": "SIGKILL of TP rank 1 mid-generation", "exit_code": code,
