@@ -76,9 +76,9 @@ def render(data: dict) -> str:
     if starts:
         lines += ["Start-ups that must fail (`vllm serve` exits non-zero naming the setting "
                   "or tensor):", ""]
-        lines += _table(["input", "refused", "named", "recorded"],
-                        [[f"`{k}`", v["refused"], v.get("named", True), v["recorded"]]
-                         for k, v in sorted(starts.items())])
+        lines += _table(["input", "checked through", "refused", "named", "recorded"],
+                        [[f"`{k}`", v.get("path", ""), v["refused"], v.get("named", True),
+                          v["recorded"]] for k, v in sorted(starts.items())])
     return "\n".join(lines).rstrip() + "\n"
 
 

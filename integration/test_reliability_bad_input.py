@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import urllib.error
 import urllib.request
@@ -122,8 +123,21 @@ BAD_ENV = [
     ("VLLM_CPU_ATTN_SPLIT_KV", "on"),
     ("VLLM_CPU_INT4_W4A8", "true"),
 ]
-# The default run starts three; the rest are long-only.
-DEFAULT_ENV = {("VLLM_CPU_ATTN_SPLIT_KV", "on"), ("VLLM_CPU_KVCACHE_SPACE", "")}
+# The default run starts one `vllm serve` (a bind outside the allowed CPUs);
+# every case goes through the platform's config check in-process below.
+DEFAULT_ENV = {BAD_ENV[3]}
+
+
+@pytest.mark.parametrize("name,value", BAD_ENV, ids=[f"{n}={v!r}" for n, v in BAD_ENV])
+def test_malformed_variable_fails_the_config_check(tiny_llama, monkeypatch, name, value):
+    """What `vllm serve` runs first: EngineArgs -> VllmConfig -> our
+    check_and_update_config, in this process (no engine)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(f"{name}={value!r} is invalid")):
+        EngineArgs(model=tiny_llama, max_model_len=256).create_engine_config()
+    rel.record("bad_input", f"env {name}={value!r}", {"refused": True, "path": "config check"})
 
 
 @pytest.mark.parametrize("name,value", [
@@ -135,7 +149,8 @@ def test_malformed_variable_stops_serve_naming_it(tiny_llama, name, value):
     assert f"{name}={value!r} is invalid" in out, out[-3000:]
     # Refused while the config is built: no engine process was started.
     assert "EngineCore" not in out, out[-3000:]
-    rel.record("bad_input", f"env {name}={value!r}", {"refused": True})
+    rel.record("bad_input", f"env {name}={value!r} (vllm serve)",
+               {"refused": True, "path": "vllm serve"})
 
 
 # --- quantized checkpoints ------------------------------------------------
@@ -183,5 +198,6 @@ def test_faulty_quantized_checkpoint_stops_serve_naming_the_tensor(gptq, tmp_pat
     folder, named = _faulty(gptq, tmp_path, fault)
     out = _serve_fails(str(folder), {"VLLM_CPU_KVCACHE_SPACE": "1"}, "--dtype", "float32")
     tail = out[-6000:]
-    rel.record("bad_input", f"quantized {fault}", {"refused": True, "named": named in out})
+    rel.record("bad_input", f"quantized checkpoint: {fault}",
+               {"refused": True, "named": named in out, "path": "vllm serve"})
     assert named in out or named.rsplit(".", 1)[0] in out, tail
