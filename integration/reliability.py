@@ -203,13 +203,18 @@ class Load:
 
 def record(section: str, key: str, row: dict) -> None:
     """Merge one result row into RESULTS[section][key] (the doc's source)."""
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    data.setdefault(section, {})[key] = {**row, "recorded": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                         time.gmtime())}
-    tmp = RESULTS.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    tmp.replace(RESULTS)
+    import fcntl
+
     from integration import reliability_doc
 
-    reliability_doc.write()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    # Test modules may run in parallel processes: one writer at a time.
+    with open(RESULTS.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        data.setdefault(section, {})[key] = {
+            **row, "recorded": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        tmp = RESULTS.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        tmp.replace(RESULTS)
+        reliability_doc.write()

@@ -153,6 +153,30 @@ def test_malformed_variable_stops_serve_naming_it(tiny_llama, name, value):
                {"refused": True, "path": "vllm serve"})
 
 
+BAD_ENGINE_ARGS = [
+    ({"dtype": "float64"}, "dtype"),
+    ({"dtype": "int8"}, "dtype"),
+    ({"kv_cache_dtype": "int3"}, "cache_dtype"),  # pydantic names the CacheConfig field
+    ({"kv_cache_dtype": "nvfp4"}, "--kv-cache-dtype nvfp4"),  # a host dtype we do not run
+    ({"block_size": 24}, "--block-size 24"),
+]
+
+
+@pytest.mark.parametrize("kwargs,named", BAD_ENGINE_ARGS,
+                         ids=[next(iter(k.items())).__str__() for k, _ in BAD_ENGINE_ARGS])
+def test_unsupported_dtype_kv_dtype_block_size_fail_the_config_check(tiny_llama, kwargs, named):
+    """The host's own validation or our platform's: either way the setting is named.
+    (Unsupported head sizes: plugin_tests/test_config_errors.py.)"""
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(Exception) as info:
+        EngineArgs(model=tiny_llama, max_model_len=256, **kwargs).create_engine_config()
+    assert named in str(info.value), str(info.value)[:2000]
+    key, value = next(iter(kwargs.items()))
+    rel.record("bad_input", f"--{key.replace('_', '-')} {value}",
+               {"refused": True, "path": "config check"})
+
+
 # --- quantized checkpoints ------------------------------------------------
 
 @pytest.fixture(scope="module")
