@@ -22,7 +22,10 @@ import os
 import sys
 
 EXIT_STATUS = 1
-_state = {"installed": False, "dead": None}
+_state = {"installed": False, "dead": None, "stopping": False}
+# The host's line when SIGTERM/SIGINT starts a shutdown: EngineDeadErrors
+# logged after it are the shutdown itself (output handler racing teardown).
+_SHUTDOWN_TRIGGERED = "[shutdown] API server: shutdown triggered"
 
 
 def _is_vllm_serve() -> bool:
@@ -32,10 +35,13 @@ def _is_vllm_serve() -> bool:
 
 class _EngineDeathWatch(logging.Handler):
     def __init__(self):
-        super().__init__(level=logging.WARNING)
+        super().__init__(level=logging.INFO)
 
     def emit(self, record: logging.LogRecord) -> None:
-        if _state["dead"] is not None:
+        if _state["dead"] is not None or _state["stopping"]:
+            return
+        if record.getMessage().startswith(_SHUTDOWN_TRIGGERED):
+            _state["stopping"] = True
             return
         exc = record.exc_info[1] if record.exc_info else None
         if exc is not None and type(exc).__name__ == "EngineDeadError":

@@ -54,6 +54,20 @@ def _post(server, path: str, body) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+@pytest.fixture
+def config_env(monkeypatch):
+    """The config check may write the translated bind plan into os.environ
+    (cpu_backend.platform._plan_threads_bind): restore it after the test."""
+    from cpu_backend.platform import _BIND_TRANSLATED
+
+    for key in ("VLLM_CPU_OMP_THREADS_BIND", _BIND_TRANSLATED):
+        if key in os.environ:
+            monkeypatch.setenv(key, os.environ[key])
+        else:
+            monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
 BAD_REQUESTS = {
     "max_tokens beyond max_model_len": {"prompt": "hello", "max_tokens": MAX_LEN + 1},
     "prompt longer than max_model_len": {"prompt": [5] * (MAX_LEN + 10), "max_tokens": 4},
@@ -129,12 +143,12 @@ DEFAULT_ENV = {BAD_ENV[3]}
 
 
 @pytest.mark.parametrize("name,value", BAD_ENV, ids=[f"{n}={v!r}" for n, v in BAD_ENV])
-def test_malformed_variable_fails_the_config_check(tiny_llama, monkeypatch, name, value):
+def test_malformed_variable_fails_the_config_check(tiny_llama, config_env, name, value):
     """What `vllm serve` runs first: EngineArgs -> VllmConfig -> our
     check_and_update_config, in this process (no engine)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    monkeypatch.setenv(name, value)
+    config_env.setenv(name, value)
     with pytest.raises(ValueError, match=re.escape(f"{name}={value!r} is invalid")):
         EngineArgs(model=tiny_llama, max_model_len=256).create_engine_config()
     rel.record("bad_input", f"env {name}={value!r}", {"refused": True, "path": "config check"})
@@ -164,7 +178,8 @@ BAD_ENGINE_ARGS = [
 
 @pytest.mark.parametrize("kwargs,named", BAD_ENGINE_ARGS,
                          ids=[next(iter(k.items())).__str__() for k, _ in BAD_ENGINE_ARGS])
-def test_unsupported_dtype_kv_dtype_block_size_fail_the_config_check(tiny_llama, kwargs, named):
+def test_unsupported_dtype_kv_dtype_block_size_fail_the_config_check(tiny_llama, config_env,
+                                                                     kwargs, named):
     """The host's own validation or our platform's: either way the setting is named.
     (Unsupported head sizes: plugin_tests/test_config_errors.py.)"""
     from vllm.engine.arg_utils import EngineArgs

@@ -143,8 +143,10 @@ def test_disconnected_clients_free_their_kv_blocks(server):
             "vllm:num_requests_running", "vllm:num_requests_waiting",
             "vllm:kv_cache_usage_perc", "vllm:generation_tokens_total")}
 
-    n, max_tokens = 12, 400
-    prompts = rel.token_prompts(n, seed=2)
+    # Short prompts, long answers: a request left running would take ~10 s
+    # here, a client closes after its 4th chunk.
+    n, max_tokens = 12, 480
+    prompts = rel.token_prompts(n, seed=2, lengths=(4, 8, 16))
     before = scrape()
     outcomes = []
     peak = {"running": 0.0, "kv": 0.0}
@@ -160,7 +162,7 @@ def test_disconnected_clients_free_their_kv_blocks(server):
     def client(i):
         c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
         outcomes.append(rel.stream_completion(c, MODEL, prompts[i], max_tokens, i,
-                                              stop_after_chunks=16))
+                                              stop_after_chunks=4))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     watcher = threading.Thread(target=watch, daemon=True)
@@ -188,7 +190,7 @@ def test_disconnected_clients_free_their_kv_blocks(server):
     print(row)
     assert [o.finish_reason for o in outcomes] == ["disconnected"] * n, outcomes
     assert idle, after
-    # They stopped well before their 400 tokens each.
+    # They stopped well before their 480 tokens each.
     assert generated < n * max_tokens / 2
     assert server.get("/health") is not None
 

@@ -17,6 +17,7 @@ sys.argv = [{argv0!r}, {argv1!r}]
 from cpu_backend import serve_exit
 serve_exit.install()
 serve_exit.install()  # once per process
+logging.getLogger("vllm").setLevel(logging.INFO)  # as vLLM's logging config does
 log = logging.getLogger("vllm.entrypoints.openai.serving")
 class EngineDeadError(Exception):
     pass
@@ -25,6 +26,12 @@ if {dead!r} == "exception":
         raise EngineDeadError("EngineCore encountered an issue.")
     except EngineDeadError:
         log.exception("Error in completion stream generator.")
+elif {dead!r} == "after-sigterm":
+    log.info("[shutdown] API server: shutdown triggered")
+    try:
+        raise EngineDeadError("EngineCore encountered an issue.")
+    except EngineDeadError:
+        log.exception("AsyncLLM output_handler failed.")
 elif {dead!r} == "notice":
     log.warning("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup")
 else:
@@ -36,6 +43,7 @@ else:
     (("/venv/bin/vllm", "serve"), "exception", 1),
     (("/venv/bin/vllm", "serve"), "notice", 1),
     (("/venv/bin/vllm", "serve"), "none", 0),
+    (("/venv/bin/vllm", "serve"), "after-sigterm", 0),  # the drain's own teardown
     (("/venv/bin/python", "my_app.py"), "exception", 0),  # an LLM(...) user's process
 ])
 def test_exit_status(argv, dead, code):
