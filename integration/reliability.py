@@ -132,7 +132,7 @@ class Outcome:
 
 
 def stream_completion(client, model: str, prompt, max_tokens: int, index: int,
-                      stop_after_chunks: int | None = None) -> Outcome:
+                      stop_after_chunks: int | None = None, n: int = 1) -> Outcome:
     """One streaming greedy completion; `stop_after_chunks` closes it early (a
     client that goes away mid-stream)."""
     import openai
@@ -141,7 +141,7 @@ def stream_completion(client, model: str, prompt, max_tokens: int, index: int,
     try:
         stream = client.completions.create(
             model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-            extra_body={"ignore_eos": True},
+            extra_body={"ignore_eos": True}, **({"n": n} if n > 1 else {}),
         )
         for i, chunk in enumerate(stream):
             if stop_after_chunks is not None and i >= stop_after_chunks:

@@ -49,11 +49,13 @@ def render(data: dict) -> str:
          for k, r in zip([k for k in ("short", "long") if k in load], runs)])
     if "disconnect" in load:
         r = load["disconnect"]
-        lines += [f"Disconnects: {r['clients']} streaming clients asking for {r['max_tokens']} "
-                  f"tokens each closed the stream early; {r['tokens_generated']} tokens were "
-                  f"generated in all, then running requests {r['running_after']:g}, "
-                  f"KV-cache usage {r['kv_usage_after']:g} (peak seen {r['peak_kv_usage']:g}) "
-                  f"({r['recorded']}).", ""]
+        lines += [f"Disconnects: {r['clients']} streaming clients asking for "
+                  f"{r.get('n', 1)} x {r['max_tokens']} tokens each closed the stream after 4 "
+                  f"chunks; {r['tokens_generated']} tokens were generated in all "
+                  f"(of {r['clients'] * r.get('n', 1) * r['max_tokens']} asked), then "
+                  f"running requests {r['running_after']:g} and KV-cache usage "
+                  f"{r['kv_usage_after']:g} (peak seen {r['peak_kv_usage']:g}) within "
+                  f"{r.get('idle_after_s', '?')} s ({r['recorded']}).", ""]
 
     lines += ["### Faults", ""]
     lines += _table(

@@ -47,8 +47,10 @@ RSS_GROWTH_LIMIT = 0.05
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
+    shm_before = rel.shm_segments()
     # Explicit KV bytes: VLLM_CPU_KVCACHE_SPACE would override them.
     with serve(tiny_llama, *SERVE_ARGS, env={"VLLM_CPU_KVCACHE_SPACE": None}) as s:
+        s.shm_before = shm_before
         yield s
 
 
@@ -143,9 +145,10 @@ def test_disconnected_clients_free_their_kv_blocks(server):
             "vllm:num_requests_running", "vllm:num_requests_waiting",
             "vllm:kv_cache_usage_perc", "vllm:generation_tokens_total")}
 
-    # Short prompts, long answers: a request left running would take ~10 s
-    # here, a client closes after its 4th chunk.
-    n, max_tokens = 12, 480
+    # Short prompts, long answers, 8 sequences each: 46k tokens through a
+    # 1024-token KV cache would take a minute or more here; a client closes
+    # after its 4th chunk.
+    n, max_tokens, seqs = 12, 480, 8
     prompts = rel.token_prompts(n, seed=2, lengths=(4, 8, 16))
     before = scrape()
     outcomes = []
@@ -162,7 +165,7 @@ def test_disconnected_clients_free_their_kv_blocks(server):
     def client(i):
         c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
         outcomes.append(rel.stream_completion(c, MODEL, prompts[i], max_tokens, i,
-                                              stop_after_chunks=4))
+                                              stop_after_chunks=4, n=seqs))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     watcher = threading.Thread(target=watch, daemon=True)
@@ -171,7 +174,8 @@ def test_disconnected_clients_free_their_kv_blocks(server):
         t.start()
     for t in threads:
         t.join()
-    deadline = time.monotonic() + 30
+    closed = time.monotonic()
+    deadline = closed + 30
     while True:
         after = scrape()
         idle = (after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
@@ -182,7 +186,8 @@ def test_disconnected_clients_free_their_kv_blocks(server):
     done.set()
     watcher.join()
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
-    row = {"clients": n, "max_tokens": max_tokens,
+    row = {"clients": n, "max_tokens": max_tokens, "n": seqs,
+           "idle_after_s": round(time.monotonic() - closed, 1),
            "tokens_generated": int(generated), "peak_running": peak["running"],
            "peak_kv_usage": round(peak["kv"], 3), "kv_usage_after": after["vllm:kv_cache_usage_perc"],
            "running_after": after["vllm:num_requests_running"]}
@@ -190,8 +195,8 @@ def test_disconnected_clients_free_their_kv_blocks(server):
     print(row)
     assert [o.finish_reason for o in outcomes] == ["disconnected"] * n, outcomes
     assert idle, after
-    # They stopped well before their 480 tokens each.
-    assert generated < n * max_tokens / 2
+    # They stopped well before their 480 tokens x 8 sequences each.
+    assert generated < n * seqs * max_tokens / 4, row
     assert server.get("/health") is not None
 
 
@@ -241,6 +246,7 @@ def test_sigterm_during_load_drains_and_exits_0(server, alone):
     exit_s = time.monotonic() - t0
     time.sleep(2)
     left = rel.alive(tree - {server.proc.pid})
+    shm_leaked = rel.leaked_shm(server.shm_before)
     wrong = [o for o in outcomes if o.error is None and
              (o.text != alone[o.index].text or o.finish_reason != "length")]
     lost = [o for o in outcomes if o.error and not o.clean_error]
@@ -248,10 +254,11 @@ def test_sigterm_during_load_drains_and_exits_0(server, alone):
            "exit_code": code, "exit_s": round(exit_s, 1), "requests": len(outcomes),
            "completed": sum(o.error is None for o in outcomes) - len(wrong),
            "wrong_output": len(wrong), "http_errors": sum(o.clean_error for o in outcomes),
-           "lost": len(lost), "processes_left": len(left)}
+           "lost": len(lost), "processes_left": len(left), "shm_leaked": sorted(shm_leaked)}
     rel.record("faults", "sigterm_under_load", row)
     print(row)
     assert code == 0, server.log()[-4000:]
     assert len(outcomes) == CLIENTS
     assert not lost and not wrong, (lost[:3], wrong[:3])
     assert not left, left
+    assert not shm_leaked, shm_leaked
