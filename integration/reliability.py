@@ -90,11 +90,12 @@ def shm_segments() -> set[str]:
             if p.name.startswith(PREFIX) or p.name.startswith("psm_")}
 
 
-def mapped_shm() -> set[str]:
-    """/dev/shm names some live process maps (other engines on the machine
-    create and use psm_* segments too: those are not leaks)."""
+def mapped_shm(pids: set[int] | None = None) -> set[str]:
+    """/dev/shm names that live processes (all, or `pids`) map."""
     names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+    files = ([Path(f"/proc/{p}/maps") for p in pids] if pids is not None
+             else Path("/proc").glob("[0-9]*/maps"))
+    for maps in files:
         try:
             text = maps.read_text()
         except OSError:
@@ -105,12 +106,18 @@ def mapped_shm() -> set[str]:
     return names
 
 
-def leaked_shm(before: set[str], settle_s: float = 15) -> set[str]:
-    """Segments that appeared since `before` and that no live process maps,
-    after giving the resource tracker `settle_s` to unlink them."""
+def leaked_shm(server_segments: set[str], settle_s: float = 15) -> set[str]:
+    """Of the segments a server's processes mapped (`mapped_shm(tree)` while it
+    ran) plus any `cpubk-*` of ours, those still in /dev/shm and mapped by no
+    live process, after giving the resource tracker `settle_s` to unlink them.
+    (Other engines on the machine create psm_* segments too: not counted.)"""
+    from cpu_backend.shm_group import PREFIX
+
     deadline = time.monotonic() + settle_s
     while True:
-        leaked = (shm_segments() - before) - mapped_shm()
+        present = shm_segments()
+        mine = (server_segments & present) | {n for n in present if n.startswith(PREFIX)}
+        leaked = mine - mapped_shm()
         if not leaked or time.monotonic() > deadline:
             return leaked
         time.sleep(1)
@@ -132,7 +139,8 @@ class Outcome:
 
 
 def stream_completion(client, model: str, prompt, max_tokens: int, index: int,
-                      stop_after_chunks: int | None = None, n: int = 1) -> Outcome:
+                      stop_after_chunks: int | None = None, n: int = 1,
+                      temperature: float = 0.0) -> Outcome:
     """One streaming greedy completion; `stop_after_chunks` closes it early (a
     client that goes away mid-stream)."""
     import openai
@@ -140,7 +148,7 @@ def stream_completion(client, model: str, prompt, max_tokens: int, index: int,
     out = Outcome(index)
     try:
         stream = client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, stream=True,
             extra_body={"ignore_eos": True}, **({"n": n} if n > 1 else {}),
         )
         for i, chunk in enumerate(stream):

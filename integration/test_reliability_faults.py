@@ -39,7 +39,6 @@ def _kmp_files(pids: set[int]) -> set[str]:
 
 
 def test_killed_tp_worker_takes_the_server_down_cleanly(tiny_llama):
-    shm_before = rel.shm_segments()
     env = {"VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_CPU_NUM_OF_RESERVED_CPU": None}
     args = ("--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "512",
             "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
@@ -48,6 +47,7 @@ def test_killed_tp_worker_takes_the_server_down_cleanly(tiny_llama):
         victim = procs.get("Worker_TP1")
         assert victim is not None, procs
         tree = rel.tree_pids(server.proc.pid)
+        segments = rel.mapped_shm(tree)
         assert "Group tp" in server.log() and "shared-memory all-reduce" in server.log()
 
         load = rel.Load(server.base_url, MODEL, rel.token_prompts(8, seed=3), 200, clients=4,
@@ -78,13 +78,14 @@ def test_killed_tp_worker_takes_the_server_down_cleanly(tiny_llama):
         left = rel.alive(tree - {server.proc.pid})
         log = server.log()
 
-    shm_leaked = rel.leaked_shm(shm_before) | _kmp_files(tree)
+    shm_leaked = rel.leaked_shm(segments) | _kmp_files(tree)
     outcomes = load.outcomes
     row = {
         "fault": "SIGKILL of TP rank 1 mid-generation", "exit_code": code,
         "exit_s": round(exit_after, 1),
         "unhealthy_s": None if unhealthy_after is None else round(unhealthy_after, 1),
         "processes_left": len(left), "shm_leaked": sorted(shm_leaked),
+        "shm_segments_watched": len(segments),
         "requests": len(outcomes),
         "completed": sum(o.error is None for o in outcomes),
         "errors": sum(o.error is not None for o in outcomes),

@@ -47,10 +47,8 @@ RSS_GROWTH_LIMIT = 0.05
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    shm_before = rel.shm_segments()
     # Explicit KV bytes: VLLM_CPU_KVCACHE_SPACE would override them.
     with serve(tiny_llama, *SERVE_ARGS, env={"VLLM_CPU_KVCACHE_SPACE": None}) as s:
-        s.shm_before = shm_before
         yield s
 
 
@@ -165,7 +163,8 @@ def test_disconnected_clients_free_their_kv_blocks(server):
     def client(i):
         c = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
         outcomes.append(rel.stream_completion(c, MODEL, prompts[i], max_tokens, i,
-                                              stop_after_chunks=4, n=seqs))
+                                              stop_after_chunks=4, n=seqs,
+                                              temperature=1.0))
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     watcher = threading.Thread(target=watch, daemon=True)
@@ -207,6 +206,7 @@ def test_sigterm_during_load_drains_and_exits_0(server, alone):
     import openai
 
     tree = rel.tree_pids(server.proc.pid)
+    segments = rel.mapped_shm(tree)
     started = threading.Semaphore(0)
     outcomes = []
 
@@ -246,7 +246,7 @@ def test_sigterm_during_load_drains_and_exits_0(server, alone):
     exit_s = time.monotonic() - t0
     time.sleep(2)
     left = rel.alive(tree - {server.proc.pid})
-    shm_leaked = rel.leaked_shm(server.shm_before)
+    shm_leaked = rel.leaked_shm(segments)
     wrong = [o for o in outcomes if o.error is None and
              (o.text != alone[o.index].text or o.finish_reason != "length")]
     lost = [o for o in outcomes if o.error and not o.clean_error]
@@ -254,7 +254,8 @@ def test_sigterm_during_load_drains_and_exits_0(server, alone):
            "exit_code": code, "exit_s": round(exit_s, 1), "requests": len(outcomes),
            "completed": sum(o.error is None for o in outcomes) - len(wrong),
            "wrong_output": len(wrong), "http_errors": sum(o.clean_error for o in outcomes),
-           "lost": len(lost), "processes_left": len(left), "shm_leaked": sorted(shm_leaked)}
+           "lost": len(lost), "processes_left": len(left), "shm_leaked": sorted(shm_leaked),
+           "shm_segments_watched": len(segments)}
     rel.record("faults", "sigterm_under_load", row)
     print(row)
     assert code == 0, server.log()[-4000:]
