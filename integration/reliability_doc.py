@@ -76,8 +76,9 @@ def render(data: dict) -> str:
                          for name, c in req["cases"].items()])
     starts = {k: v for k, v in bad.items() if k != "requests"}
     if starts:
-        lines += ["Start-ups that must fail (`vllm serve` exits non-zero naming the setting "
-                  "or tensor):", ""]
+        lines += ["Settings and checkpoints refused at start-up with an error naming the "
+                  "setting, tensor or file (`config check`: the platform's check, in-process; "
+                  "`vllm serve`: a real start, which exits non-zero):", ""]
         lines += _table(["input", "checked through", "refused", "named", "recorded"],
                         [[f"`{k}`", v.get("path", ""), v["refused"], v.get("named", True),
                           v["recorded"]] for k, v in sorted(starts.items())])
