@@ -1,5 +1,5 @@
 """Sustained load against `vllm serve` with our plugin, more demand than the
-KV cache holds, and clients that go away mid-stream.
+KV cache holds, clients that go away mid-stream, and SIGTERM under load.
 
 One server (tiny random Llama, fp32, 64 blocks of 16 tokens = 1024 tokens of
 KV, prefix caching off so every request needs its own blocks). 32 streaming
@@ -11,7 +11,12 @@ references are taken first, one at a time) or gets an HTTP error status; the
 server stays healthy; the RSS of the engine-core and worker processes after a
 warm-up round grows < 5% over the run. Preemptions come from /metrics.
 
-Default run: 40 s of load. `CPU_BACKEND_LONG_TESTS=1`: 150 s.
+Then 12 clients close their streams after 4 chunks: no request and no KV
+block stays in use. Last, SIGTERM with 32 streams in flight: with
+`--shutdown-timeout` they all finish with their alone-output, exit status 0,
+no process or shared-memory segment left.
+
+Default run: 40 s of load (~3 minutes with start-up). `CPU_BACKEND_LONG_TESTS=1`: 150 s.
 
     CPU_BACKEND_LONG_TESTS=1 pytest -m reliability integration/test_reliability_load.py
 """
