@@ -19,6 +19,8 @@ MOE_PREPACK = "VLLM_CPU_MOE_PREPACK"
 SGL_KERNEL = "VLLM_CPU_SGL_KERNEL"
 # Ours: force an ISA path (see cpu_backend.isa), e.g. "portable" in tests.
 BACKEND_ISA = "VLLM_CPU_BACKEND_ISA"
+# The host's own flags, read with bool(int(...)) deep inside its workers.
+HOST_INT_FLAGS = ("VLLM_CPU_CI_ENV", "VLLM_CPU_ATTN_SPLIT_KV", "VLLM_CPU_INT4_W4A8")
 
 _GiB = 1 << 30
 # "0-3,8|4-7,9": per-rank CPU lists separated by "|", ranges and single ids.
@@ -38,6 +40,13 @@ def _raw(name: str) -> str | None:
     return None if value is None or value.strip() == "" else value.strip()
 
 
+def _not_empty(name: str, expected: str) -> None:
+    """The host reads some variables with int() whenever they are set: an
+    empty value would crash its workers with a bare "invalid literal"."""
+    if name in os.environ and _raw(name) is None:
+        raise EnvError(name, os.environ[name], f"{expected} (or unset it)")
+
+
 def kvcache_space_bytes() -> int | None:
     """KV-cache size from `VLLM_CPU_KVCACHE_SPACE` (whole GiB); None means automatic.
 
@@ -45,6 +54,7 @@ def kvcache_space_bytes() -> int | None:
     Whole numbers only: the host parses the variable with int() in every
     process. Finer sizes: `--kv-cache-memory-bytes`.
     """
+    _not_empty(KVCACHE_SPACE, "a whole number of GiB >= 0")
     value = _raw(KVCACHE_SPACE)
     if value is None:
         return None
@@ -109,6 +119,7 @@ def omp_threads_bind() -> ThreadsBind:
 
 
 def num_reserved_cpus() -> int | None:
+    _not_empty(NUM_OF_RESERVED_CPU, "a whole number of CPUs >= 0")
     value = _raw(NUM_OF_RESERVED_CPU)
     if value is None:
         return None
@@ -134,8 +145,19 @@ def sgl_kernel() -> bool | None:
     return _flag(SGL_KERNEL)
 
 
+def host_int_flags() -> None:
+    """The host's integer flags must parse as the host parses them."""
+    for name in HOST_INT_FLAGS:
+        if name in os.environ:
+            try:
+                int(os.environ[name])
+            except ValueError:
+                raise EnvError(name, os.environ[name], "0 or 1") from None
+
+
 def validate_all() -> None:
     """Parse every variable once so a bad one fails at start-up."""
+    host_int_flags()
     kvcache_space_bytes()
     omp_threads_bind()
     num_reserved_cpus()

@@ -157,6 +157,9 @@ class CpuBackendPlatform(CpuPlatform):
             cache_config.block_size = DEFAULT_BLOCK_SIZE
         _size_kv_cache(vllm_config)
         _log_choice_once(vllm_config)
+        from cpu_backend import serve_exit
+
+        serve_exit.install()  # `vllm serve` exits non-zero after an engine death
 
 
 def _validate_with(backend_cls, cfg: AttentionSelectorConfig) -> list[str]:

@@ -23,6 +23,13 @@ from cpu_backend import envs, isa
         ("VLLM_CPU_MOE_PREPACK", "yes"),
         ("VLLM_CPU_SGL_KERNEL", "2"),
         ("VLLM_CPU_BACKEND_ISA", "sse9"),
+        # Set but empty: the host would int('') inside its workers.
+        ("VLLM_CPU_KVCACHE_SPACE", ""),
+        ("VLLM_CPU_NUM_OF_RESERVED_CPU", " "),
+        # The host's own integer flags.
+        ("VLLM_CPU_CI_ENV", "yes"),
+        ("VLLM_CPU_ATTN_SPLIT_KV", "on"),
+        ("VLLM_CPU_INT4_W4A8", "true"),
     ],
 )
 def test_bad_values_raise_naming_the_variable(monkeypatch, name, value):

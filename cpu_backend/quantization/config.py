@@ -316,6 +316,58 @@ class CpuBackendCompressedTensorsWNA16Config(_WNA16Config):
         return False
 
 
+class QuantWeightError(ValueError):
+    """A checkpoint tensor of a quantized layer does not fit its parameter."""
+
+
+def _checked_loader(layer, loader):
+    """The host's loaders fail on a mis-shaped checkpoint tensor with a bare
+    torch error ("start (0) + length (32) exceeds dimension size (31)"), and
+    would copy a float tensor into an int32 one without a word: name the
+    tensor, its shape and dtype, and what the layer expects. Records what was
+    loaded: the host does not check that a quantized model's tensors were all
+    in the checkpoint (see _check_all_loaded)."""
+    if loader is None:
+        return None
+    loaded = layer.__dict__.setdefault("cpu_backend_loaded", {})
+
+    def load(param, loaded_weight, *args, **kwargs):
+        name = next((n for n, p in layer.named_parameters(recurse=False) if p is param), "?")
+        where = f"{getattr(layer, 'prefix', type(layer).__name__)}.{name}"
+        if args:
+            where += f" (shard {args[0]})"
+        got = f"{tuple(loaded_weight.shape)} {str(loaded_weight.dtype).replace('torch.', '')}"
+        want = f"{tuple(param.shape)} {str(param.dtype).replace('torch.', '')}"
+        if param.dtype == torch.int32 and loaded_weight.dtype != torch.int32:
+            raise QuantWeightError(
+                f"{where}: checkpoint tensor is {got}, expected int32 (packed quantized values)")
+        try:
+            out = loader(param, loaded_weight, *args, **kwargs)
+        except (RuntimeError, AssertionError, IndexError, ValueError) as e:
+            raise QuantWeightError(
+                f"{where}: checkpoint tensor {got} does not fit the layer's parameter {want} "
+                f"({e or type(e).__name__})") from e
+        loaded.setdefault(name, set()).add(args[0] if args else None)
+        return out
+
+    return load
+
+
+def _check_all_loaded(layer, required: tuple[str, ...]) -> None:
+    """Every required tensor came from the checkpoint, for every shard of a
+    fused layer (q/k/v, gate/up). Otherwise the layer would run on
+    uninitialized memory: the host only checks unquantized models."""
+    loaded = layer.__dict__.get("cpu_backend_loaded", {})
+    shards = layer.__dict__.get("cpu_backend_wna16_shards", 1)
+    prefix = getattr(layer, "prefix", type(layer).__name__)
+    missing = [name for name in required
+               if None not in loaded.get(name, set()) and len(loaded.get(name, set())) < shards]
+    if missing:
+        raise QuantWeightError(
+            f"{prefix}: tensor(s) {', '.join(f'{prefix}.{m}' for m in missing)} missing from the "
+            f"checkpoint (loaded shards: { {m: sorted(map(str, loaded.get(m, ()))) for m in missing} })")
+
+
 @register_weight_loader_v2_supported_method
 class WNA16LinearMethod(LinearMethodBase):
     """Creates the checkpoint's tensors, repacks them at load, runs our kernel."""
@@ -338,7 +390,8 @@ class WNA16LinearMethod(LinearMethodBase):
         if n % pf:
             raise QuantConfigError(f"{where}: output size is not a multiple of {pf}")
         groups = k // gs
-        loader = extra_weight_attrs.get("weight_loader")
+        loader = _checked_loader(layer, extra_weight_attrs.get("weight_loader"))
+        layer.cpu_backend_wna16_shards = len(output_partition_sizes)
         if cfg.FORMAT == "compressed-tensors":
             self._create_ct_weights(layer, n, k, groups, loader)
             layer.cpu_backend_wna16_n = n
@@ -397,6 +450,11 @@ class WNA16LinearMethod(LinearMethodBase):
 
         load()
         cfg = self.quant_config
+        if cfg.FORMAT == "compressed-tensors":
+            _check_all_loaded(layer, ("weight_packed", "weight_scale")
+                              + (() if cfg.sym else ("weight_zero_point",)))
+        else:
+            _check_all_loaded(layer, ("qweight", "qzeros", "scales"))
         if cfg.FORMAT == "compressed-tensors":
             zp = layer.weight_zero_point.data if not cfg.sym else None
             view = formats.ct_unpack(layer.weight_packed.data, layer.weight_scale.data, zp, cfg.bits)

@@ -6,6 +6,7 @@ executor protocol, and overrides:
   applies the rank's CPU/NUMA binding (cpu_backend.worker.binding, planned by
   cpu_backend.topology) and builds our model runner;
 - `load_model`: first checks the weight shard + KV cache fit the rank's NUMA node;
+  names the damaged file when safetensors cannot read one (worker/checkpoint_files.py);
 - `determine_available_memory`: our KV-cache sizing (`cpu_backend.worker.memory`:
   a profiled activation peak, container limits, clear errors before anything
   is allocated) instead of the host's 0.92-of-the-node rule, which refuses to
@@ -27,6 +28,7 @@ from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
 from cpu_backend import ops
 from cpu_backend.worker import binding as cpu_binding
+from cpu_backend.worker import checkpoint_files
 from cpu_backend.ops.linear_layers import register_layers
 from cpu_backend.worker import memory
 from cpu_backend.quantization import register as register_quantization
@@ -84,7 +86,12 @@ class CpuBackendWorker(CPUWorker):
 
     def load_model(self, *args, **kwargs):
         cpu_binding.check_before_load(self.vllm_config, self.cpu_binding)
-        return super().load_model(*args, **kwargs)
+        try:
+            return super().load_model(*args, **kwargs)
+        except Exception as e:
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise checkpoint_files.explain(self.vllm_config.model_config.model, e) from e
 
     def _should_warm_up_model(self) -> bool:
         # Our runner's warm-up is one small step in eager mode: always worth it.
