@@ -8,11 +8,14 @@ through the reference activation quantizer (plugin_tests/test_kernels_w8a8.py
 pre-hook, i.e. fake quantization, which is exactly what the kernel computes up
 to fp32 rounding.
 
-Greedy continuations must be equal (the tiny model's greedy top-2 margins are
-> 1e-2; the kernel's error is ~1e-6 relative, and an activation that lands on a
-rounding boundary differently moves one output by one quantization step,
-~1e-4 relative). The worker report proves our scheme's method and kernel ran,
-on which library.
+Compared teacher-forced: the reference is fed vLLM's greedy tokens, and each
+token vLLM chose must be the reference's argmax or within MAX_DEFICIT logits of
+it (most are exact: MIN_AGREEMENT). Exact greedy equality is too strict here:
+fp32 differences between the two stacks (~1e-6) can move an activation across
+a rounding boundary, which changes one product by a whole quantization step
+(coarse with a static scale), and a near-tie later in a generation can then
+flip; with the teacher-forced check one flip does not derail the comparison.
+The worker report proves our scheme's method and kernel ran, on which library.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from integration import models
 from integration.conftest import greedy, report, running_llm
 
 NEW_TOKENS = 24
+# Teacher-forced bounds (see module docstring): every token vLLM picks is within
+# MAX_DEFICIT logits of the reference's best, and at least MIN_AGREEMENT of them
+# are the reference's argmax.
+MAX_DEFICIT = 0.05
+MIN_AGREEMENT = 0.97
 CASES = {
     # name: (activations, activation symmetric, ISA library)
     "w8a8-dynamic-sym-avx2": ("dynamic", True, "avx2"),
@@ -51,8 +59,8 @@ def checkpoints(tiny_llama, tmp_path_factory):
     return made
 
 
-def fake_quant_greedy(qdir: Path, prompts, max_tokens: int):
-    """transformers fp32 greedy with dequantized weights and fake-quantized inputs."""
+def fake_quant_model(qdir: Path):
+    """transformers fp32 with dequantized weights and fake-quantized linear inputs."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -94,19 +102,18 @@ def fake_quant_greedy(qdir: Path, prompts, max_tokens: int):
         if name in static:
             mod.register_forward_pre_hook(hook_for(*static[name]))
     assert len(static) > 0
-    outs = []
+    return hf
+
+
+def teacher_forced_deficits(hf, prompt: list[int], tokens: list[int]) -> list[float]:
+    """Per generated position: max logit - logit of the token vLLM chose (0 where
+    vLLM's choice is the reference's argmax), the reference fed vLLM's tokens."""
+    import torch
+
     with torch.no_grad():
-        for prompt in prompts:
-            step = hf(torch.tensor([prompt]), use_cache=True)
-            new: list[int] = []
-            while True:
-                new.append(int(step.logits[0, -1].argmax()))
-                if len(new) == max_tokens:
-                    break
-                step = hf(torch.tensor([[new[-1]]]), past_key_values=step.past_key_values,
-                          use_cache=True)
-            outs.append(new)
-    return outs
+        logits = hf(torch.tensor([prompt + tokens])).logits[0].double()
+    steps = logits[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+    return [float(row.max() - row[t]) for row, t in zip(steps, tokens)]
 
 
 def random_prompts(lengths, vocab=700, seed=5):
@@ -135,5 +142,8 @@ def test_w8a8_checkpoint_matches_fake_quant_transformers(case, checkpoints, monk
     assert "CpuBackendW8A8LinearMethod" in rep["linear_methods"]
     assert "CompressedTensorsLinearMethod" not in rep["linear_methods"]
     assert rep["w8a8_linear_calls"] > 0
-    want = fake_quant_greedy(qdir, prompts, NEW_TOKENS)
-    assert got == want
+    hf = fake_quant_model(qdir)
+    deficits = [d for p, g in zip(prompts, got) for d in teacher_forced_deficits(hf, p, g)]
+    agree = sum(d == 0.0 for d in deficits) / len(deficits)
+    print(f"{case}: max deficit {max(deficits):.4g}, agreement {agree:.3f}")
+    assert max(deficits) <= MAX_DEFICIT and agree >= MIN_AGREEMENT, (max(deficits), agree)
