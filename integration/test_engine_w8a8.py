@@ -33,8 +33,13 @@ NEW_TOKENS = 24
 # Teacher-forced bounds (see module docstring): every token vLLM picks is within
 # MAX_DEFICIT logits of the reference's best, and at least MIN_AGREEMENT of them
 # are the reference's argmax.
-MAX_DEFICIT = 0.05
-MIN_AGREEMENT = 0.97
+# The tiny model's logits have std ~6 and a median top-2 margin ~1.5. Measured
+# (00:48 UTC): max deficit 0.025 (dynamic, avx512) and 0.061 (static asym,
+# avx2), agreement 0.99. Control: greedy tokens of the unquantized fp32 model
+# scored the same way against the static-asym reference give max deficit 2.1 and
+# agreement 0.84, so the bounds tell W8A8 arithmetic from its absence.
+MAX_DEFICIT = 0.15
+MIN_AGREEMENT = 0.95
 CASES = {
     # name: (activations, activation symmetric, ISA library)
     "w8a8-dynamic-sym-avx2": ("dynamic", True, "avx2"),
