@@ -40,6 +40,7 @@ SOURCES = [
     "csrc/linear_wna16.cpp",
     "csrc/norm.cpp",
     "csrc/registration.cpp",
+    "csrc/linear_w8a8.cpp",
 ]
 DEPENDS = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*.h"))]
 # -g0: Python's CFLAGS add -g, which doubles compile time and .so size.
@@ -55,7 +56,7 @@ if X86:
     ISA_LIBS["avx2"] = ("CPU_BACKEND_ISA_AVX2", ["-mavx2", "-mfma", "-mf16c"])
     ISA_LIBS["avx512"] = (
         "CPU_BACKEND_ISA_AVX512",
-        ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+        ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
          "-mfma", "-mf16c", "-mavx2"],
     )
 

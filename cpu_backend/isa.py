@@ -15,10 +15,12 @@ from cpu_backend import envs
 
 # Most capable first. Each path needs all of its flags.
 _PATHS: dict[str, tuple[str, ...]] = {
-    # The avx512 library is built with -mavx512bf16 (VDPBF16PS): Skylake-X /
-    # Cascade Lake / Ice Lake (no avx512_bf16) take the avx2 path.
-    "amx": ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    # The avx512 library is built with -mavx512bf16 (VDPBF16PS) and
+    # -mavx512vnni (VPDPBUSD, the W8A8 int8 kernel): Skylake-X / Cascade Lake /
+    # Ice Lake (no avx512_bf16) take the avx2 path.
+    "amx": ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+            "avx512_vnni"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
     "avx2": ("avx2", "fma", "f16c"),
     "portable": (),
 }

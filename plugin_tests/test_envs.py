@@ -76,7 +76,11 @@ def test_isa_detection_from_flags():
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
     # without avx512_bf16 (Skylake-X .. Ice Lake) the avx512 library would fault
     assert isa.supported_paths(frozenset({"avx2", "fma", "f16c", *avx512})) == ["avx2", "portable"]
+    # without avx512_vnni the W8A8 kernel's VPDPBUSD would fault
     assert isa.supported_paths(frozenset({"avx2", "fma", "f16c", "avx512_bf16", *avx512})) == [
-        "avx512", "avx2", "portable",
+        "avx2", "portable",
     ]
+    assert isa.supported_paths(
+        frozenset({"avx2", "fma", "f16c", "avx512_bf16", "avx512_vnni", *avx512})
+    ) == ["avx512", "avx2", "portable"]
     assert isa.supported_paths(frozenset({"avx2"})) == ["portable"]  # no FMA

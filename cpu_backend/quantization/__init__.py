@@ -4,7 +4,7 @@
 (`config.py`). It runs as the `vllm.general_plugins` entry point
 `cpu_backend_quantization`, which the host loads in every process (front end,
 engine core, workers) before it reads a model's config; our worker calls it
-too. `formats.py` is the pure-torch GPTQ/AWQ format code shared by the
+too. `w8a8.py` is the compressed-tensors W8A8 INT8 config/scheme/kernel. `formats.py` is the pure-torch GPTQ/AWQ format code shared by the
 loader and the checkpoint writer (`python -m cpu_backend.tools.quantize`).
 """
 
@@ -19,9 +19,10 @@ def register() -> None:
         return
     from vllm.model_executor.layers.quantization import register_quantization_config
 
-    from cpu_backend.quantization import config
+    from cpu_backend.quantization import config, w8a8
 
     for cls in (config.CpuBackendGPTQConfig, config.CpuBackendAWQConfig,
-                config.CpuBackendCompressedTensorsWNA16Config):
+                config.CpuBackendCompressedTensorsWNA16Config,
+                w8a8.CpuBackendCompressedTensorsW8A8Config):
         register_quantization_config(cls.get_name())(cls)
     _registered = True

@@ -5,6 +5,9 @@
     python -m cpu_backend.tools.quantize MODEL_DIR OUT_DIR --format awq --group-size 128
     python -m cpu_backend.tools.quantize MODEL_DIR OUT_DIR --format compressed-tensors \
         --bits 4 --group-size 64 [--asym]          # W4A16 / W8A16 "pack-quantized"
+    python -m cpu_backend.tools.quantize MODEL_DIR OUT_DIR --format compressed-tensors \
+        --bits 8 --group-size -1 --activations dynamic   # W8A8 INT8 "int-quantized"
+        (--activations static --calib-text FILE [--act-asym]: per-tensor input_scale)
 
 Every 2-D `*.weight` inside the decoder blocks (`*.layers.<i>.*`) is quantized;
 embeddings, norms and the LM head are copied unchanged. The output has the
@@ -15,6 +18,13 @@ see cpu_backend/quantization/formats.py. Quantization is round-to-nearest per
 group (no GPTQ error feedback, no AWQ scale search). --desc-act orders each
 layer's inputs by their mean square activation on a calibration text (what
 GPTQ's act-order uses) and writes the resulting g_idx.
+
+W8A8 INT8 (`--activations dynamic|static`) is written with the
+compressed-tensors library's own `calculate_qparams` / `quantize` (what
+llm-compressor calls): `weight` int8 [N, K], `weight_scale` [N, 1] (model
+dtype), symmetric per channel; static adds `input_scale` [1] (and
+`input_zero_point` [1] int8 with --act-asym) from the min/max of each layer's
+input on the calibration text; format "int-quantized".
 """
 
 from __future__ import annotations
@@ -64,11 +74,81 @@ def input_energy(model_dir: Path, text: str, names: list[str]) -> dict[str, torc
     return {f"{k}.weight": v for k, v in sums.items()}
 
 
+def input_ranges(model_dir: Path, text: str, names: list[str]) -> dict[str, tuple[float, float]]:
+    """(min, max) of each linear layer's input on `text` (transformers, fp32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    wanted = {n.removesuffix(".weight") for n in names}
+    ranges: dict[str, tuple[float, float]] = {}
+    hooks = []
+    for mod_name, mod in model.named_modules():
+        if mod_name in wanted:
+            def hook(m, inp, out, key=mod_name):
+                x = inp[0].detach().float()
+                lo, hi = ranges.get(key, (0.0, 0.0))
+                ranges[key] = (min(lo, float(x.min())), max(hi, float(x.max())))
+            hooks.append(mod.register_forward_hook(hook))
+    ids = tok(text, return_tensors="pt").input_ids[:, :2048]
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    missing = wanted - ranges.keys()
+    if missing:
+        raise SystemExit(f"--activations static: calibration did not reach {sorted(missing)[:3]}")
+    return {f"{k}.weight": v for k, v in ranges.items()}
+
+
+def w8a8_args(activations: str, act_sym: bool):
+    """compressed-tensors QuantizationArgs of llm-compressor's W8A8 INT8 scheme
+    (dynamic: its "W8A8" preset; static: per-tensor input scale)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    weights = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True,
+                               dynamic=False, observer="minmax")
+    if activations == "dynamic":
+        acts = QuantizationArgs(num_bits=8, type="int", strategy="token", symmetric=act_sym,
+                                dynamic=True, observer=None)
+    else:
+        acts = QuantizationArgs(num_bits=8, type="int", strategy="tensor", symmetric=act_sym,
+                                dynamic=False, observer="minmax")
+    return weights, acts
+
+
+def w8a8_tensors(w: torch.Tensor, wargs, aargs, act_range, scale_dtype) -> dict[str, torch.Tensor]:
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    w = w.float()
+    scale, zp = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), wargs)
+    scale = scale.to(scale_dtype)
+    out = {"weight": quantize(w, scale.float(), zp, wargs, dtype=torch.int8),
+           "weight_scale": scale}
+    if act_range is not None:
+        s, z = calculate_qparams(torch.tensor([act_range[0]]), torch.tensor([act_range[1]]), aargs)
+        out["input_scale"] = s.to(scale_dtype)
+        if not aargs.symmetric:
+            out["input_zero_point"] = z.to(torch.int8)
+    return out
+
+
 def quantize_checkpoint(model_dir, out_dir, fmt: str, bits: int, group_size: int,
                         sym: bool = True, desc_act: bool = False, calib_text: str | None = None,
-                        dtype: torch.dtype | None = None) -> dict:
+                        dtype: torch.dtype | None = None, activations: str = "none",
+                        act_sym: bool = True) -> dict:
     """Write the checkpoint; returns its quantization_config."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if activations not in ("none", "dynamic", "static"):
+        raise SystemExit(f"--activations must be none, dynamic or static, got {activations!r}")
+    w8a8 = activations != "none"
+    if w8a8 and (fmt != "compressed-tensors" or bits != 8 or group_size != -1 or not sym
+                 or desc_act):
+        raise SystemExit("--activations (W8A8 INT8) needs --format compressed-tensors --bits 8 "
+                         "--group-size -1, symmetric weights, no --desc-act")
+    if activations == "static" and not calib_text:
+        raise SystemExit("--activations static needs --calib-text (input scales are calibrated)")
     if fmt not in ("gptq", "awq", "compressed-tensors"):
         raise SystemExit(f"--format must be gptq, awq or compressed-tensors, got {fmt!r}")
     if fmt == "compressed-tensors" and desc_act:
@@ -87,6 +167,9 @@ def quantize_checkpoint(model_dir, out_dir, fmt: str, bits: int, group_size: int
         state.update(load_file(f))
     names = quantized_names(state)
     energy = None
+    ranges = input_ranges(model_dir, calib_text, names) if activations == "static" else None
+    if w8a8:
+        wargs, aargs = w8a8_args(activations, act_sym)
     if desc_act:
         if not calib_text:
             raise SystemExit("--desc-act needs --calib-text (act-order is by activation size)")
@@ -98,6 +181,12 @@ def quantize_checkpoint(model_dir, out_dir, fmt: str, bits: int, group_size: int
             out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
             continue
         base = name.removesuffix(".weight")
+        if w8a8:
+            scale_dtype = dtype if dtype is not None else t.dtype
+            tensors = w8a8_tensors(t, wargs, aargs, ranges[name] if ranges else None, scale_dtype)
+            for suffix, tensor in tensors.items():
+                out[f"{base}.{suffix}"] = tensor
+            continue
         perm = None
         if energy is not None:
             perm = torch.argsort(energy[name], descending=True, stable=True)
@@ -121,6 +210,15 @@ def quantize_checkpoint(model_dir, out_dir, fmt: str, bits: int, group_size: int
                 "checkpoint_format": "gptq", "model_name_or_path": None,
                 "model_file_base_name": "model", "quant_method": "gptq"}
         (out_dir / "quantize_config.json").write_text(json.dumps(qcfg, indent=2))
+    elif w8a8:
+        group = {"targets": ["Linear"], "weights": wargs.model_dump(mode="json"),
+                 "input_activations": aargs.model_dump(mode="json"),
+                 "output_activations": None, "format": "int-quantized"}
+        qcfg = {"quant_method": "compressed-tensors", "format": "int-quantized",
+                "quantization_status": "compressed", "global_compression_ratio": None,
+                "config_groups": {"group_0": group}, "ignore": ["lm_head"],
+                "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
+                "version": "0.17.0"}
     elif fmt == "compressed-tensors":
         weights = {"num_bits": bits, "type": "int", "symmetric": sym,
                    "strategy": "channel" if group_size == -1 else "group",
@@ -165,12 +263,17 @@ def main(argv=None) -> None:
     p.add_argument("--asym", action="store_true",
                    help="GPTQ / compressed-tensors: zero points (AWQ always has them)")
     p.add_argument("--desc-act", action="store_true", help="GPTQ act-order (needs --calib-text)")
-    p.add_argument("--calib-text", help="a text file for --desc-act")
+    p.add_argument("--calib-text", help="a text file for --desc-act / --activations static")
+    p.add_argument("--activations", default="none", choices=("none", "dynamic", "static"),
+                   help="compressed-tensors W8A8 INT8: int8 activations per token (dynamic) or "
+                        "with a calibrated per-tensor scale (static)")
+    p.add_argument("--act-asym", action="store_true", help="W8A8: asymmetric activations")
     a = p.parse_args(argv)
     text = Path(a.calib_text).read_text() if a.calib_text else None
     sym = not a.asym and a.format != "awq"
     cfg = quantize_checkpoint(a.model_dir, a.out_dir, a.format, a.bits, a.group_size, sym,
-                              a.desc_act, text)
+                              a.desc_act, text, activations=a.activations,
+                              act_sym=not a.act_asym)
     print(json.dumps(cfg))
 
 

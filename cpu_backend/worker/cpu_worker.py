@@ -130,6 +130,7 @@ class CpuBackendWorker(CPUWorker):
 
         from cpu_backend.attention.impl import CpuBackendAttentionImpl
         from cpu_backend.quantization.config import WNA16LinearMethod
+        from cpu_backend.quantization.w8a8 import CpuBackendInt8ScaledMMLinearKernel
 
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         model = self.model_runner.get_model()
@@ -158,6 +159,7 @@ class CpuBackendWorker(CPUWorker):
             "attention_forward_calls": CpuBackendAttentionImpl.forward_calls,
             "memory": self._memory_report(model),
             "wna16_linear_calls": WNA16LinearMethod.apply_calls,
+            "w8a8_linear_calls": CpuBackendInt8ScaledMMLinearKernel.apply_calls,
         }
 
     def _memory_report(self, model) -> dict:
