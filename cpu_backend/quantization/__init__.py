@@ -4,8 +4,9 @@
 (`config.py`). It runs as the `vllm.general_plugins` entry point
 `cpu_backend_quantization`, which the host loads in every process (front end,
 engine core, workers) before it reads a model's config; our worker calls it
-too. `w8a8.py` is the compressed-tensors W8A8 INT8 config/scheme/kernel. `formats.py` is the pure-torch GPTQ/AWQ format code shared by the
-loader and the checkpoint writer (`python -m cpu_backend.tools.quantize`).
+too. `w8a8.py` is the compressed-tensors W8A8 INT8 config, scheme and kernel.
+`formats.py` is the pure-torch GPTQ/AWQ format code shared by the loader and
+the checkpoint writer (`python -m cpu_backend.tools.quantize`).
 """
 
 from __future__ import annotations
