@@ -28,6 +28,7 @@ from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 from cpu_backend import ops
 from cpu_backend.worker import binding as cpu_binding
 from cpu_backend.ops.linear_layers import register_layers
+from cpu_backend.ops.moe_layers import register_moe
 from cpu_backend.worker import memory
 from cpu_backend.quantization import register as register_quantization
 from cpu_backend.worker.model_runner import CpuBackendModelRunner
@@ -71,6 +72,7 @@ class CpuBackendWorker(CPUWorker):
         set_random_seed(self.model_config.seed)
         # Before the model is built: its layers are instantiated from these.
         register_layers()
+        register_moe()
         register_quantization()  # also the general-plugin entry point; idempotent
         if self.use_v2_model_runner:
             # The V2 runner is the host's; our attention backend still serves it.
@@ -122,6 +124,7 @@ class CpuBackendWorker(CPUWorker):
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
         from cpu_backend.attention.impl import CpuBackendAttentionImpl
+        from cpu_backend.ops.moe_layers import CpuBackendMoEExperts, describe_moe
         from cpu_backend.quantization.config import WNA16LinearMethod
 
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
@@ -151,6 +154,8 @@ class CpuBackendWorker(CPUWorker):
             "attention_forward_calls": CpuBackendAttentionImpl.forward_calls,
             "memory": self._memory_report(model),
             "wna16_linear_calls": WNA16LinearMethod.apply_calls,
+            "moe_methods": describe_moe(model),
+            "moe_experts_calls": CpuBackendMoEExperts.apply_calls,
         }
 
     def _memory_report(self, model) -> dict:
