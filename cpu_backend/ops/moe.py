@@ -29,6 +29,7 @@ per-token reference the tests compare against.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cpu_backend.ops import linear as linear_ops
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
-def _gated(h: torch.Tensor, activation: str) -> torch.Tensor:
+def gated_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
     import torch.nn.functional as F
 
     gate, up = h.float().chunk(2, dim=-1)
@@ -97,10 +98,35 @@ def fused_experts(
     were already applied to `x` (the host's prepare step does it), so they are
     not applied again. Writes into `out` when given.
     """
-    import torch
-
     if activation not in ACTIVATIONS:
         raise ValueError(f"cpu_backend MoE: activation {activation!r} is not one of {ACTIVATIONS}")
+
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
+        h = _gemm(xe, w13[e], n13, None if w13_bias is None else w13_bias[e], packed)
+        return _gemm(gated_activation(h, activation), w2[e], n2,
+                     None if w2_bias is None else w2_bias[e], packed)
+
+    return grouped_experts(x, topk_weights, topk_ids, w13.shape[0], n2, expert,
+                           expert_map=expert_map,
+                           apply_router_weight_on_input=apply_router_weight_on_input, out=out)
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    n_out: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+    *,
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The token grouping shared by every weight format: `expert(e, rows)`
+    runs local expert e on the rows routed to it ([count, K] -> [count, n_out])."""
+    import torch
+
     m = x.shape[0]
     topk = topk_ids.shape[1]
     if x.stride(-1) != 1:
@@ -109,22 +135,18 @@ def fused_experts(
     if expert_map is not None:
         ids = expert_map.long()[ids]
     order = torch.argsort(ids, stable=True)
-    num_experts = w13.shape[0]
     valid = ids >= 0
     counts = torch.bincount(ids[valid], minlength=num_experts).tolist()
     start = int((~valid).sum())  # the -1s sort first
     weights = topk_weights.reshape(-1).float()
-    acc = torch.zeros(m, n2, dtype=torch.float32)
+    acc = torch.zeros(m, n_out, dtype=torch.float32)
     for e, count in enumerate(counts):
         if count == 0:
             continue
         sel = order[start : start + count]
         start += count
         tokens = torch.div(sel, topk, rounding_mode="floor")
-        xe = x.index_select(0, tokens)
-        h = _gemm(xe, w13[e], n13, None if w13_bias is None else w13_bias[e], packed)
-        y = _gemm(_gated(h, activation), w2[e], n2,
-                  None if w2_bias is None else w2_bias[e], packed).float()
+        y = expert(e, x.index_select(0, tokens)).float()
         if not apply_router_weight_on_input:
             y = y * weights.index_select(0, sel).unsqueeze(1)
         acc.index_add_(0, tokens, y)
