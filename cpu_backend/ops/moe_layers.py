@@ -148,9 +148,16 @@ class CpuBackendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         super(UnquantizedFusedMoEMethod, self).__init__(moe)
         self.unquantized_backend = UnquantizedMoeBackend.CPU
         self.experts_cls = CpuBackendMoEExperts
-        self.supports_pre_processed_weights = True
+        # Prepacked weights are not the checkpoint layout: an ipc_cache /
+        # pre-processed load or an EPLB rearrangement could not use them.
+        self.supports_pre_processed_weights = False
         logger.info_once("cpu_backend MoE experts serve unquantized MoE layers (prepack=%s)",
                          prepack_enabled())
+
+
+    @property
+    def supports_eplb(self) -> bool:
+        return self.experts_cls is not CpuBackendMoEExperts and super().supports_eplb
 
 
 def _check_host_signatures() -> None:
