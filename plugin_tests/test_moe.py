@@ -170,3 +170,23 @@ def test_registration_replaces_the_host_method():
     assert register_moe() == "UnquantizedFusedMoEMethod"  # idempotent
     assert op_registry_oot["UnquantizedFusedMoEMethod"] is CpuBackendUnquantizedFusedMoEMethod
     assert issubclass(CpuBackendUnquantizedFusedMoEMethod, UnquantizedFusedMoEMethod)
+
+
+def test_torch_op_is_opaque_to_torch_compile(moe):
+    """vLLM compiles some models (MLA) with fullgraph=True: the data-dependent
+    grouping must be one op with a fake implementation."""
+    m, e, h, i = 7, 4, 32, 48
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(m, h, generator=g)
+    tw, ti = _route(torch.randn(m, e, generator=g), 2, "softmax")
+    w13, w2 = _weights(e, i, h, torch.float32, seed=2)
+    p13, p2 = moe.prepack_experts(w13, w2)
+
+    def layer(x, tw, ti):
+        return torch.ops.cpu_backend.moe_experts(x, p13, p2, tw, ti, 2 * i, h, "silu", True,
+                                                 None, None, None, False) * 2
+
+    before = moe.CALLS["experts"]
+    y = torch.compile(layer, fullgraph=True, dynamic=True)(x, tw, ti)
+    _check(y / 2, moe.fused_experts_reference(x, w13, w2, tw, ti), torch.float32)
+    assert moe.CALLS["experts"] > before

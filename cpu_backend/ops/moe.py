@@ -189,3 +189,66 @@ def fused_experts_reference(
                 y = y + w2_bias[e].double()
             out[t] += float(topk_weights[t, j]) * y
     return out
+
+
+# ---------------------------------------------------------------- torch ops ---
+# The grouping is data dependent (tokens per expert): under torch.compile
+# (vLLM compiles MLA models such as DeepSeek-V2 with fullgraph) it must be one
+# opaque op, as the host's `cpu_fused_moe` is. Python custom ops with fake
+# (shape-only) implementations.
+import torch  # noqa: E402
+
+CALLS = {"experts": 0}  # op calls in this process (any format), for the worker report
+
+
+@torch.library.custom_op("cpu_backend::moe_experts", mutates_args=())
+def moe_experts_op(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, n13: int, n2: int, activation: str, packed: bool,
+    w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+    expert_map: torch.Tensor | None, apply_router_weight_on_input: bool,
+) -> torch.Tensor:
+    CALLS["experts"] += 1
+    return fused_experts(x, w13, w2, topk_weights, topk_ids, n13=n13, n2=n2,
+                         activation=activation, packed=packed, w13_bias=w13_bias,
+                         w2_bias=w2_bias, expert_map=expert_map,
+                         apply_router_weight_on_input=apply_router_weight_on_input)
+
+
+@moe_experts_op.register_fake
+def _(x, w13, w2, topk_weights, topk_ids, n13, n2, activation, packed, w13_bias, w2_bias,
+      expert_map, apply_router_weight_on_input):
+    return x.new_empty((x.shape[0], n2))
+
+
+@torch.library.custom_op("cpu_backend::moe_experts_wna16", mutates_args=())
+def moe_experts_wna16_op(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    qweight13: list[torch.Tensor], scales13: list[torch.Tensor], zs13: list[torch.Tensor],
+    perm13: list[torch.Tensor], qweight2: list[torch.Tensor], scales2: list[torch.Tensor],
+    zs2: list[torch.Tensor], perm2: list[torch.Tensor], bits: int, group_size13: int,
+    group_size2: int, n13: int, n2: int, activation: str, expert_map: torch.Tensor | None,
+    apply_router_weight_on_input: bool,
+) -> torch.Tensor:
+    """Weight-only experts on cpu_backend::wna16_linear; an empty perm = none."""
+    CALLS["experts"] += 1
+
+    def gemm(xe, q, s, z, p, gs, n):
+        return torch.ops.cpu_backend.wna16_linear(xe, q, s, z, bits, gs, n,
+                                                  p if p.numel() else None, None)
+
+    def expert(e, xe):
+        h = gemm(xe, qweight13[e], scales13[e], zs13[e], perm13[e], group_size13, n13)
+        return gemm(gated_activation(h, activation), qweight2[e], scales2[e], zs2[e], perm2[e],
+                    group_size2, n2)
+
+    return grouped_experts(x, topk_weights, topk_ids, len(qweight13), n2, expert,
+                           expert_map=expert_map,
+                           apply_router_weight_on_input=apply_router_weight_on_input)
+
+
+@moe_experts_wna16_op.register_fake
+def _(x, topk_weights, topk_ids, qweight13, scales13, zs13, perm13, qweight2, scales2, zs2,
+      perm2, bits, group_size13, group_size2, n13, n2, activation, expert_map,
+      apply_router_weight_on_input):
+    return x.new_empty((x.shape[0], n2))

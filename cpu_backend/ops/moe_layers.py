@@ -63,8 +63,6 @@ def prepack_enabled() -> bool:
 class CpuBackendMoEExperts(mk.FusedMoEExpertsModular):
     """Token-grouped expert GEMMs on cpu_backend::linear (cpu_backend.ops.moe)."""
 
-    apply_calls = 0  # in this process, for the worker's cpu_backend_report
-
     def __init__(self, moe_config, quant_config, max_num_tokens=None, num_dispatchers=None):
         super().__init__(moe_config, quant_config, max_num_tokens, num_dispatchers)
         self.prepacked = False
@@ -122,14 +120,10 @@ class CpuBackendMoEExperts(mk.FusedMoEExpertsModular):
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
               expert_tokens_meta, apply_router_weight_on_input):
-        type(self).apply_calls += 1
-        moe.fused_experts(
-            hidden_states, w1, w2, topk_weights, topk_ids,
-            n13=self.n13, n2=self.n2, activation=_ACTIVATIONS[activation],
-            packed=self.prepacked, w13_bias=self.w1_bias, w2_bias=self.w2_bias,
-            expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
-            out=output,
-        )
+        output.copy_(torch.ops.cpu_backend.moe_experts(
+            hidden_states, w1, w2, topk_weights, topk_ids, self.n13, self.n2,
+            _ACTIVATIONS[activation], self.prepacked, self.w1_bias, self.w2_bias,
+            expert_map, apply_router_weight_on_input))
 
 
 class CpuBackendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):

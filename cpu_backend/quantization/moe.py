@@ -72,22 +72,18 @@ class CpuBackendWNA16MoEExperts(CpuBackendMoEExperts):
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
               expert_tokens_meta, apply_router_weight_on_input):
-        CpuBackendMoEExperts.apply_calls += 1  # our experts, any weight format
-        packs13, packs2, bits = self.packs
-        act = _ACTIVATIONS[activation]
+        p13, p2, bits = self.packs
 
-        def gemm(p, x, n):
-            return torch.ops.cpu_backend.wna16_linear(
-                x, p["qweight"], p["scales"], p["zs"], bits, p["group_size"], n, p["perm"], None)
+        def lists(packs):
+            empty = torch.empty(0, dtype=torch.int64)
+            return ([p["qweight"] for p in packs], [p["scales"] for p in packs],
+                    [p["zs"] for p in packs],
+                    [empty if p["perm"] is None else p["perm"] for p in packs])
 
-        def expert(e, xe):
-            h = gemm(packs13[e], xe, self.n13)
-            return gemm(packs2[e], moe_ops.gated_activation(h, act), self.n2)
-
-        moe_ops.grouped_experts(
-            hidden_states, topk_weights, topk_ids, len(packs13), self.n2, expert,
-            expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
-            out=output)
+        output.copy_(torch.ops.cpu_backend.moe_experts_wna16(
+            hidden_states, topk_weights, topk_ids, *lists(p13), *lists(p2), bits,
+            p13[0]["group_size"], p2[0]["group_size"], self.n13, self.n2,
+            _ACTIVATIONS[activation], expert_map, apply_router_weight_on_input))
 
 
 class CpuBackendWNA16MoEMethod(FusedMoEMethodBase):

@@ -124,7 +124,8 @@ class CpuBackendWorker(CPUWorker):
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
         from cpu_backend.attention.impl import CpuBackendAttentionImpl
-        from cpu_backend.ops.moe_layers import CpuBackendMoEExperts, describe_moe
+        from cpu_backend.ops.moe import CALLS as MOE_CALLS
+        from cpu_backend.ops.moe_layers import describe_moe
         from cpu_backend.quantization.config import WNA16LinearMethod
 
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
@@ -155,7 +156,7 @@ class CpuBackendWorker(CPUWorker):
             "memory": self._memory_report(model),
             "wna16_linear_calls": WNA16LinearMethod.apply_calls,
             "moe_methods": describe_moe(model),
-            "moe_experts_calls": CpuBackendMoEExperts.apply_calls,
+            "moe_experts_calls": MOE_CALLS["experts"],
         }
 
     def _memory_report(self, model) -> dict:
