@@ -294,11 +294,6 @@ def _start_up_hints() -> None:
             "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4) speeds up "
             "allocation-heavy steps. See docs/threads_and_tp.md."
         )
-    if envs.moe_prepack():
-        logger.warning(
-            "cpu_backend: VLLM_CPU_MOE_PREPACK=1 has no effect: cpu_backend has no MoE "
-            "kernel of its own, MoE layers run the host's CPU MoE path unchanged."
-        )
     if envs.sgl_kernel():
         has_amx = "amx_bf16" in isa.cpu_flags() or "amx_int8" in isa.cpu_flags()
         logger.warning(

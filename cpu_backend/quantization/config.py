@@ -112,6 +112,19 @@ class _WNA16Config(QuantizationConfig):
         return False
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+        from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
+
+        if isinstance(layer, RoutedExperts):
+            if self.skip_layer(prefix):
+                return None  # the host then builds its (our) unquantized MoE method
+            from cpu_backend.quantization.moe import CpuBackendWNA16MoEMethod
+
+            return CpuBackendWNA16MoEMethod(self, layer.moe_config)
+        if isinstance(layer, GateLinear):
+            # MoE routers stay unquantized in GPTQ/AWQ/compressed-tensors
+            # checkpoints (the tools skip them: [hidden x experts], precision-critical).
+            return UnquantizedLinearMethod()
         if isinstance(layer, LinearBase):
             if self.skip_layer(prefix):
                 return UnquantizedLinearMethod()

@@ -9,8 +9,9 @@
         --bits 8 --group-size -1 --activations dynamic   # W8A8 INT8 "int-quantized"
         (--activations static --calib-text FILE [--act-asym]: per-tensor input_scale)
 
-Every 2-D `*.weight` inside the decoder blocks (`*.layers.<i>.*`) is quantized;
-embeddings, norms and the LM head are copied unchanged. The output has the
+Every 2-D `*.weight` inside the decoder blocks (`*.layers.<i>.*`) is quantized,
+MoE experts included; embeddings, norms, MoE routers and the LM head are copied
+unchanged. The output has the
 tensor names, packing, dtypes and config keys AutoGPTQ / GPTQModel
 (checkpoint_format "gptq", i.e. v1 zeros), AutoAWQ (version "gemm") and
 llm-compressor (compressed-tensors 0.17 "pack-quantized", weight-only) write:
@@ -44,8 +45,14 @@ BLOCK_WEIGHT = re.compile(r"(^|\.)layers\.\d+\..+\.weight$")
 GROUP_SIZES = (-1, 32, 64, 128)
 
 
+# MoE routers ([experts x hidden]) stay in full precision, as AutoGPTQ,
+# AutoAWQ and llm-compressor leave them; vLLM builds them unquantized.
+ROUTER_WEIGHT = re.compile(r"\.(gate|shared_expert_gate)\.weight$")
+
+
 def quantized_names(state: dict[str, torch.Tensor]) -> list[str]:
-    return [n for n, t in state.items() if t.ndim == 2 and BLOCK_WEIGHT.search(n)]
+    return [n for n, t in state.items()
+            if t.ndim == 2 and BLOCK_WEIGHT.search(n) and not ROUTER_WEIGHT.search(n)]
 
 
 def input_energy(model_dir: Path, text: str, names: list[str]) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ from cpu_backend import ops
 from cpu_backend.worker import binding as cpu_binding
 from cpu_backend.worker import checkpoint_files
 from cpu_backend.ops.linear_layers import register_layers
+from cpu_backend.ops.moe_layers import register_moe
 from cpu_backend.worker import memory
 from cpu_backend.quantization import register as register_quantization
 from cpu_backend.worker.model_runner import CpuBackendModelRunner
@@ -73,6 +74,7 @@ class CpuBackendWorker(CPUWorker):
         set_random_seed(self.model_config.seed)
         # Before the model is built: its layers are instantiated from these.
         register_layers()
+        register_moe()
         register_quantization()  # also the general-plugin entry point; idempotent
         if self.use_v2_model_runner:
             # The V2 runner is the host's; our attention backend still serves it.
@@ -129,6 +131,8 @@ class CpuBackendWorker(CPUWorker):
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
         from cpu_backend.attention.impl import CpuBackendAttentionImpl
+        from cpu_backend.ops.moe import CALLS as MOE_CALLS
+        from cpu_backend.ops.moe_layers import describe_moe
         from cpu_backend.quantization.config import WNA16LinearMethod
         from cpu_backend.quantization.w8a8 import CpuBackendInt8ScaledMMLinearKernel
 
@@ -160,6 +164,8 @@ class CpuBackendWorker(CPUWorker):
             "memory": self._memory_report(model),
             "wna16_linear_calls": WNA16LinearMethod.apply_calls,
             "w8a8_linear_calls": CpuBackendInt8ScaledMMLinearKernel.apply_calls,
+            "moe_methods": describe_moe(model),
+            "moe_experts_calls": MOE_CALLS["experts"],
         }
 
     def _memory_report(self, model) -> dict:

@@ -141,6 +141,8 @@ def ran_what(llm) -> str:
     native = rep.get("attention_native")
     text = f"attention {backends}" + (f", native kernel {native}" if native else "") + \
         f", linear {','.join(rep.get('linear_methods', []))}"
+    if rep.get("moe_methods"):
+        text += f", MoE {','.join(rep['moe_methods'])} ({rep.get('moe_experts_calls', 0)} calls of ours)"
     return text
 
 
