@@ -112,6 +112,15 @@ class CpuBackendCommunicator(CpuCommunicator):
         logger.info("Group %s: shared-memory all-reduce/all-gather over %d ranks (%s).",
                     self.unique_name, self.world_size, name)
 
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        """Out of place, unlike the host's: our platform routes collectives
+        through the host's `torch.ops.vllm.all_reduce` custom op, whose output
+        must not alias its input (else a compiled graph may read the input
+        unreduced)."""
+        out = input_.clone()
+        self.dist_module.all_reduce(out, group=self.device_group)
+        return out
+
     def destroy(self) -> None:
         if self.shm is not None:
             self.shm.close()

@@ -104,6 +104,13 @@ class CpuBackendPlatform(CpuPlatform):
         return "cpu_backend.communicator.CpuBackendCommunicator"
 
     @classmethod
+    def use_custom_op_collectives(cls) -> bool:
+        """Collectives go through the host's `torch.ops.vllm.*` custom ops, so
+        torch.compile (e.g. the fullgraph compile of MLA models) sees one opaque
+        op instead of tracing into our shared-memory exchange (a wait loop)."""
+        return True
+
+    @classmethod
     def import_ir_kernels(cls) -> None:
         super().import_ir_kernels()
         import cpu_backend.ops.norm  # noqa: F401 - registers the `cpu_backend` provider
