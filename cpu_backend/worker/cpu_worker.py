@@ -27,6 +27,7 @@ from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
 from cpu_backend import ops
 from cpu_backend.worker import binding as cpu_binding
+from cpu_backend.ops.custom_ops import register_custom_ops
 from cpu_backend.ops.linear_layers import register_layers
 from cpu_backend.worker import memory
 from cpu_backend.quantization import register as register_quantization
@@ -71,6 +72,7 @@ class CpuBackendWorker(CPUWorker):
         set_random_seed(self.model_config.seed)
         # Before the model is built: its layers are instantiated from these.
         register_layers()
+        register_custom_ops()
         register_quantization()  # also the general-plugin entry point; idempotent
         if self.use_v2_model_runner:
             # The V2 runner is the host's; our attention backend still serves it.
@@ -122,6 +124,7 @@ class CpuBackendWorker(CPUWorker):
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
         from cpu_backend.attention.impl import CpuBackendAttentionImpl
+        from cpu_backend.ops import custom_ops
         from cpu_backend.quantization.config import WNA16LinearMethod
 
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
@@ -151,6 +154,10 @@ class CpuBackendWorker(CPUWorker):
             "attention_forward_calls": CpuBackendAttentionImpl.forward_calls,
             "memory": self._memory_report(model),
             "wna16_linear_calls": WNA16LinearMethod.apply_calls,
+            "custom_ops": sorted(
+                {type(m).__name__ for m in model.modules() if type(m).__module__ == custom_ops.__name__}
+            ),
+            "custom_op_kernel_calls": dict(custom_ops.kernel_calls),
         }
 
     def _memory_report(self, model) -> dict:
