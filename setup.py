@@ -41,6 +41,8 @@ SOURCES = [
     "csrc/norm.cpp",
     "csrc/registration.cpp",
     "csrc/linear_w8a8.cpp",
+    "csrc/activation.cpp",
+    "csrc/rotary.cpp",
 ]
 DEPENDS = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*.h"))]
 # -g0: Python's CFLAGS add -g, which doubles compile time and .so size.

@@ -10,13 +10,25 @@
 // KV cache: [num_blocks, num_kv_heads, block_size, row], each row a token's
 // key then value (vLLM's LBHNC layout), in the model's dtype or a quantized
 // format (kv_format.h: fp8 with a per-tensor scale, int8/fp8 with
-// per-(token, head) scales). Work items are (query token, kv head); the query
-// heads of a GQA group share each key/value row read, widened to fp32 in
-// registers. Scales are folded in: a per-tensor key scale into the query, a
-// per-row key scale into the score, value scales into the probabilities
-// (per row) or the final normalization (per tensor). Online softmax per
-// block, in fp32, scores and exp scalar (they are a small part of the work),
-// dot products and value accumulation vectorized.
+// per-(token, head) scales). Scales are folded in: a per-tensor key scale into
+// the query, a per-row key scale into the score, value scales into the
+// probabilities (per row) or the final normalization (per tensor).
+//
+// Work items. Consecutive tokens of one request at consecutive positions (a
+// prefill chunk) are cut into query blocks of up to kMaxRows / G tokens; a
+// work item is (query block, kv head): its M = tokens x G query rows (G query
+// heads per kv head) share every key/value row read. Keys and values are read
+// in tiles of up to kTile rows, widened to fp32 once per tile, and the tile is
+// two small GEMMs with register-blocked fp32 accumulators:
+//   S^T[key][row] = K_tile . Q^T  (Q^T [head_size][rows] built once per item)
+//   acc[row][:]  += P^T[key][row] * V_tile[key][:]
+// The softmax runs online over tiles, vectorized across the rows (S^T keeps
+// rows contiguous), with the vectorized exp of vec/vec_math.h; the causal
+// mask and the sliding window are applied only to tiles that need them.
+// A lone token (decode) is its own item on the per-token path below, which
+// keeps the dot products along head_size (no lanes wasted when G is small).
+// Items run longest first, taken dynamically by the pool's threads, since
+// causal prefill blocks differ in cost.
 //
 // Python reference: cpu_backend/attention/paged_torch.py.
 #include <ATen/Parallel.h>
@@ -24,8 +36,12 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <type_traits>
+#include <vector>
 
 #include "dtype.h"
 #include "kv_format.h"
@@ -38,6 +54,22 @@ namespace {
 constexpr int kMaxHeadSize = 256;
 constexpr int kMaxGroup = 16;  // query heads per kv head
 constexpr int kMaxBlockSize = 256;
+constexpr int kMaxRows = 64;  // query rows (tokens x GQA heads) per work item
+constexpr int kTile = 64;     // keys per softmax tile
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Register blocking of the two tile GEMMs, by the ISA's register file
+// (avx512: 32 zmm; avx2: 16 ymm, two per VecF32x16).
+#if defined(CPU_BACKEND_ISA_AVX512)
+constexpr int kScoreAccs = 16;  // key x row-vector accumulators in S^T
+constexpr int kPvRows = 4, kPvVecs = 4;
+#elif defined(CPU_BACKEND_ISA_AVX2)
+constexpr int kScoreAccs = 6;
+constexpr int kPvRows = 2, kPvVecs = 2;
+#else
+constexpr int kScoreAccs = 8;
+constexpr int kPvRows = 2, kPvVecs = 2;
+#endif
 
 struct Params {
   int64_t num_tokens, num_heads, num_kv_heads, head_size, block_size;
@@ -47,6 +79,9 @@ struct Params {
   int64_t window;  // <= 0: none
   const float* alibi;  // [num_heads] or null
 };
+
+// ---------------------------------------------------------------------------
+// One query token (decode): dot products along head_size per GQA head.
 
 template <typename T, typename KV>
 void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache,
@@ -71,7 +106,7 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
       (VecF32x16::load(qg + 16 * i) * q_scale).store(qs[g] + 16 * i);
       VecF32x16::zero().store(acc[g] + 16 * i);
     }
-    running_max[g] = -std::numeric_limits<float>::infinity();
+    running_max[g] = kNegInf;
     running_sum[g] = 0.f;
   }
 
@@ -94,20 +129,26 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
         if constexpr (KV::kTokenScales) score *= row_scale;
         if (P.softcap > 0.f) score = P.softcap * std::tanh(score / P.softcap);
         if (P.alibi) score += P.alibi[first_head + g] * float(t0 + j - pos);
-        scores[g * P.block_size + j] = score;
+        scores[g * kMaxBlockSize + j] = score;
       }
     }
+    // Softmax over the block, vectorized: lanes past n hold -inf (exp -> 0).
+    const int64_t n16 = (n + 15) / 16 * 16;
     for (int64_t g = 0; g < G; ++g) {
-      float* sg = scores + g * P.block_size;
-      float block_max = *std::max_element(sg, sg + n);
-      const float new_max = std::max(running_max[g], block_max);
+      float* sg = scores + g * kMaxBlockSize;
+      std::fill(sg + n, sg + n16, kNegInf);
+      VecF32x16 vmax = VecF32x16::broadcast(kNegInf);
+      for (int64_t j = 0; j < n16; j += 16) vmax = max(vmax, VecF32x16::load(sg + j));
+      const float new_max = std::max(running_max[g], vmax.reduce_max());
       const float correction = std::exp(running_max[g] - new_max);
-      float block_sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        sg[j] = std::exp(sg[j] - new_max);
-        block_sum += sg[j];
+      const VecF32x16 vnew = VecF32x16::broadcast(new_max);
+      VecF32x16 vsum = VecF32x16::zero();
+      for (int64_t j = 0; j < n16; j += 16) {
+        const VecF32x16 e = exp(VecF32x16::load(sg + j) - vnew);
+        e.store(sg + j);
+        vsum = vsum + e;
       }
-      running_sum[g] = running_sum[g] * correction + block_sum;
+      running_sum[g] = running_sum[g] * correction + vsum.reduce_add();
       running_max[g] = new_max;
       if (correction != 1.f) {
         const VecF32x16 c = VecF32x16::broadcast(correction);
@@ -118,7 +159,7 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
       const E* row = block + (t0 + j - b * P.block_size) * token_stride;
       const E* v = row + D;
       float probs[kMaxGroup];
-      for (int64_t g = 0; g < G; ++g) probs[g] = scores[g * P.block_size + j];
+      for (int64_t g = 0; g < G; ++g) probs[g] = scores[g * kMaxBlockSize + j];
       if constexpr (KV::kTokenScales) {
         const float vs = KV::value_scale(row, D);
         for (int64_t g = 0; g < G; ++g) probs[g] *= vs;
@@ -140,6 +181,195 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
   }
 }
 
+// ---------------------------------------------------------------------------
+// A block of query tokens (prefill): tile GEMMs, softmax across rows.
+
+// Per-thread buffers, sized for head_size D.
+struct Scratch {
+  std::vector<float> qt, acc, kf, vf, st, ks, vs, corr, sums;
+  explicit Scratch(int64_t D)
+      : qt(D * kMaxRows), acc(kMaxRows * D), kf(kTile * D), vf(kTile * D), st(kTile * kMaxRows),
+        ks(kTile), vs(kTile), corr(kMaxRows), sums(kMaxRows) {}
+};
+
+// st[j][0:16*MV] = sum_d kf[j][d] * qt[d][0:16*MV] for keys j0 .. j0+KB-1.
+template <int KB, int MV>
+CB_ALWAYS_INLINE void score_keys(const float* qt, const float* kf, int64_t D, int64_t j0, float* st) {
+  constexpr int MP = 16 * MV;
+  VecF32x16 a[KB][MV];
+  CB_UNROLL for (int k = 0; k < KB; ++k) CB_UNROLL for (int v = 0; v < MV; ++v) a[k][v] = VecF32x16::zero();
+  for (int64_t d = 0; d < D; ++d) {
+    const float* qd = qt + d * MP;
+    CB_UNROLL for (int k = 0; k < KB; ++k) {
+      const VecF32x16 kb = VecF32x16::broadcast(kf[(j0 + k) * D + d]);
+      CB_UNROLL for (int v = 0; v < MV; ++v) a[k][v] = fma(kb, VecF32x16::load(qd + 16 * v), a[k][v]);
+    }
+  }
+  CB_UNROLL for (int k = 0; k < KB; ++k) CB_UNROLL for (int v = 0; v < MV; ++v) a[k][v].store(st + (j0 + k) * MP + 16 * v);
+}
+
+// acc[m][c] = acc[m][c] * corr[m] + sum_j st[j][m] * vf[j][c], rows m0.., vectors c0..
+template <int RB, int CV>
+CB_ALWAYS_INLINE void pv_rows(const float* st, int64_t MP, const float* vf, int64_t D, int64_t n,
+                              const float* corr, int64_t m0, int64_t c0, float* acc) {
+  VecF32x16 a[RB][CV];
+  CB_UNROLL for (int r = 0; r < RB; ++r) {
+    const VecF32x16 c = VecF32x16::broadcast(corr[m0 + r]);
+    CB_UNROLL for (int v = 0; v < CV; ++v) a[r][v] = VecF32x16::load(acc + (m0 + r) * D + 16 * (c0 + v)) * c;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    VecF32x16 vv[CV];
+    CB_UNROLL for (int v = 0; v < CV; ++v) vv[v] = VecF32x16::load(vf + j * D + 16 * (c0 + v));
+    CB_UNROLL for (int r = 0; r < RB; ++r) {
+      const VecF32x16 p = VecF32x16::broadcast(st[j * MP + m0 + r]);
+      CB_UNROLL for (int v = 0; v < CV; ++v) a[r][v] = fma(p, vv[v], a[r][v]);
+    }
+  }
+  CB_UNROLL for (int r = 0; r < RB; ++r) CB_UNROLL for (int v = 0; v < CV; ++v) a[r][v].store(acc + (m0 + r) * D + 16 * (c0 + v));
+}
+
+template <typename T, typename KV, int MV>
+void attend_block(const Params& P, const T* q, int64_t q_stride, const typename KV::elem* kv_cache,
+                  const int32_t* block_row, int64_t p0, int64_t nq, int64_t kv_head, T* out,
+                  int64_t o_stride, Scratch& S) {
+  using E = typename KV::elem;
+  using V = VecF32x16;
+  constexpr int MP = 16 * MV;
+  constexpr int KB = std::max(1, std::min(4, kScoreAccs / MV));
+  const int64_t D = P.head_size, G = P.num_heads / P.num_kv_heads, NV = D / 16;
+  const int64_t M = nq * G, first_head = kv_head * G, p_last = p0 + nq - 1;
+  const int64_t start = P.window > 0 ? std::max<int64_t>(0, p0 - P.window + 1) : 0;
+  const int64_t token_stride = KV::row_elems(D);
+  const int64_t head_stride = P.block_size * token_stride;
+  const int64_t block_stride = P.num_kv_heads * head_stride;
+  float *qt = S.qt.data(), *acc = S.acc.data(), *kf = S.kf.data(), *vf = S.vf.data(), *st = S.st.data();
+
+  // Q^T, scaled; padding rows are zero (their scores are 0, results unused).
+  const float q_scale = P.scale * P.k_scale;
+  std::fill(qt, qt + D * MP, 0.f);
+  alignas(64) float row_pos[MP], row_slope[MP];
+  for (int64_t m = 0; m < MP; ++m) {
+    const int64_t qi = std::min(m, M - 1) / G, g = std::min(m, M - 1) % G;
+    row_pos[m] = float(p0 + qi);
+    row_slope[m] = P.alibi ? P.alibi[first_head + g] : 0.f;
+    if (m >= M) continue;
+    const T* qrow = q + qi * q_stride + (first_head + g) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d * MP + m] = to_f32(qrow[d]) * q_scale;
+  }
+  std::fill(acc, acc + MP * D, 0.f);
+  V pos_v[MV], lo_v[MV], slope_v[MV], run_max[MV], run_sum[MV];
+  for (int v = 0; v < MV; ++v) {
+    pos_v[v] = V::load(row_pos + 16 * v);
+    lo_v[v] = pos_v[v] - V::broadcast(float(P.window - 1));  // first visible key with a window
+    slope_v[v] = V::load(row_slope + 16 * v);
+    run_max[v] = V::broadcast(kNegInf);
+    run_sum[v] = V::zero();
+  }
+  const V neg_inf = V::broadcast(kNegInf), cap = V::broadcast(P.softcap),
+          inv_cap = V::broadcast(P.softcap > 0.f ? 1.f / P.softcap : 0.f);
+  const int64_t Mr = (M + kPvRows - 1) / kPvRows * kPvRows;  // <= MP
+
+  for (int64_t b = start / P.block_size; b * P.block_size <= p_last; ++b) {
+    const E* block = kv_cache + int64_t(block_row[b]) * block_stride + kv_head * head_stride;
+    const int64_t b0 = std::max(start, b * P.block_size);
+    const int64_t b1 = std::min(p_last + 1, (b + 1) * P.block_size);
+    for (int64_t t0 = b0; t0 < b1; t0 += kTile) {
+      const int64_t n = std::min<int64_t>(kTile, b1 - t0);
+      for (int64_t j = 0; j < n; ++j) {
+        const E* row = block + (t0 + j - b * P.block_size) * token_stride;
+        for (int64_t i = 0; i < NV; ++i) {
+          V::load(row + 16 * i).store(kf + j * D + 16 * i);
+          V::load(row + D + 16 * i).store(vf + j * D + 16 * i);
+        }
+        if constexpr (KV::kTokenScales) {
+          S.ks[j] = KV::key_scale(row, D);
+          S.vs[j] = KV::value_scale(row, D);
+        }
+      }
+      int64_t j = 0;
+      for (; j + KB <= n; j += KB) score_keys<KB, MV>(qt, kf, D, j, st);
+      for (; j < n; ++j) score_keys<1, MV>(qt, kf, D, j, st);
+
+      // Rules per key, then the tile's row maxima.
+      const bool causal_mask = t0 + n - 1 > p0;
+      const bool window_mask = P.window > 0 && t0 < p_last - P.window + 1;
+      V tmax[MV];
+      for (int v = 0; v < MV; ++v) tmax[v] = neg_inf;
+      for (j = 0; j < n; ++j) {
+        const V kp = V::broadcast(float(t0 + j));
+        for (int v = 0; v < MV; ++v) {
+          V s = V::load(st + j * MP + 16 * v);
+          if constexpr (KV::kTokenScales) s = s * V::broadcast(S.ks[j]);
+          if (P.softcap > 0.f) s = cap * tanh(s * inv_cap);
+          if (P.alibi) s = fma(slope_v[v], kp - pos_v[v], s);
+          if (causal_mask) s = select_lt(pos_v[v], kp, neg_inf, s);
+          if (window_mask) s = select_lt(kp, lo_v[v], neg_inf, s);
+          s.store(st + j * MP + 16 * v);
+          tmax[v] = max(tmax[v], s);
+        }
+      }
+      // Online softmax: new maxima, corrections, probabilities, sums.
+      V shift[MV], tsum[MV];
+      for (int v = 0; v < MV; ++v) {
+        const V new_max = max(run_max[v], tmax[v]);
+        // a row with no visible key yet keeps max -inf: shift by 0 (exp(-inf) = 0)
+        shift[v] = select_lt(new_max, V::broadcast(-std::numeric_limits<float>::max()), V::zero(), new_max);
+        exp(run_max[v] - shift[v]).store(S.corr.data() + 16 * v);
+        run_max[v] = new_max;
+        tsum[v] = V::zero();
+      }
+      for (j = 0; j < n; ++j) {
+        for (int v = 0; v < MV; ++v) {
+          V p = exp(V::load(st + j * MP + 16 * v) - shift[v]);
+          tsum[v] = tsum[v] + p;
+          if constexpr (KV::kTokenScales) p = p * V::broadcast(S.vs[j]);
+          p.store(st + j * MP + 16 * v);
+        }
+      }
+      for (int v = 0; v < MV; ++v) run_sum[v] = fma(run_sum[v], V::load(S.corr.data() + 16 * v), tsum[v]);
+
+      for (int64_t m0 = 0; m0 < Mr; m0 += kPvRows) {
+        int64_t c0 = 0;
+        for (; c0 + kPvVecs <= NV; c0 += kPvVecs)
+          pv_rows<kPvRows, kPvVecs>(st, MP, vf, D, n, S.corr.data(), m0, c0, acc);
+        for (; c0 < NV; ++c0) pv_rows<kPvRows, 1>(st, MP, vf, D, n, S.corr.data(), m0, c0, acc);
+      }
+    }
+  }
+
+  for (int v = 0; v < MV; ++v) run_sum[v].store(S.sums.data() + 16 * v);
+  for (int64_t m = 0; m < M; ++m) {
+    const V inv = V::broadcast(P.v_scale / S.sums[m]);
+    T* orow = out + (m / G) * o_stride + (first_head + m % G) * D;
+    for (int64_t i = 0; i < NV; ++i) (V::load(acc + m * D + 16 * i) * inv).store(orow + 16 * i);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Scheduling.
+
+struct WorkItem {
+  int64_t first_token, num_tokens, kv_head, cost;
+};
+
+// Runs of consecutive positions of one request, cut into blocks of at most
+// max_tokens, times kv heads; costliest first.
+std::vector<WorkItem> plan(const Params& P, const int32_t* req, const int32_t* pos) {
+  const int64_t G = P.num_heads / P.num_kv_heads;
+  const int64_t max_tokens = std::max<int64_t>(1, kMaxRows / G);
+  std::vector<WorkItem> items;
+  for (int64_t t = 0; t < P.num_tokens;) {
+    int64_t n = 1;
+    while (t + n < P.num_tokens && n < max_tokens && req[t + n] == req[t] && pos[t + n] == pos[t] + n) ++n;
+    const int64_t last = pos[t] + n - 1;
+    const int64_t keys = P.window > 0 ? std::min<int64_t>(last + 1, P.window + n - 1) : last + 1;
+    for (int64_t h = 0; h < P.num_kv_heads; ++h) items.push_back({t, n, h, n * keys});
+    t += n;
+  }
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return items;
+}
+
 template <typename T, typename KV>
 void run(const Params& P, at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
          const at::Tensor& block_table, const at::Tensor& token_req, const at::Tensor& token_pos) {
@@ -150,11 +380,31 @@ void run(const Params& P, at::Tensor& out, const at::Tensor& query, const at::Te
   const int32_t* req = token_req.data_ptr<int32_t>();
   const int32_t* pos = token_pos.data_ptr<int32_t>();
   const int64_t q_stride = query.stride(0), o_stride = out.stride(0);
-  at::parallel_for(0, P.num_tokens * P.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / P.num_kv_heads, h = item % P.num_kv_heads;
-      attend_token<T, KV>(P, q + t * q_stride, kv, bt + int64_t(req[t]) * P.bt_stride, pos[t], h,
-                      o + t * o_stride);
+  const int64_t G = P.num_heads / P.num_kv_heads;
+  const std::vector<WorkItem> items = plan(P, req, pos);
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), int64_t(items.size()));
+  at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
+    std::unique_ptr<Scratch> scratch;
+    for (int64_t i = next++; i < int64_t(items.size()); i = next++) {
+      const WorkItem& w = items[i];
+      const int64_t t = w.first_token;
+      const int32_t* block_row = bt + int64_t(req[t]) * P.bt_stride;
+      if (w.num_tokens == 1) {
+        attend_token<T, KV>(P, q + t * q_stride, kv, block_row, pos[t], w.kv_head, o + t * o_stride);
+        continue;
+      }
+      if (!scratch) scratch = std::make_unique<Scratch>(P.head_size);
+      const auto call = [&](auto mv) {
+        attend_block<T, KV, decltype(mv)::value>(P, q + t * q_stride, q_stride, kv, block_row, pos[t],
+                                                 w.num_tokens, w.kv_head, o + t * o_stride, o_stride, *scratch);
+      };
+      switch ((w.num_tokens * G + 15) / 16) {
+        case 1: call(std::integral_constant<int, 1>{}); break;
+        case 2: call(std::integral_constant<int, 2>{}); break;
+        case 3: call(std::integral_constant<int, 3>{}); break;
+        default: call(std::integral_constant<int, 4>{}); break;
+      }
     }
   });
 }

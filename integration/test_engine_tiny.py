@@ -36,7 +36,8 @@ def test_current_platform_is_ours():
 
 
 def test_our_worker_runner_and_attention_ran(llm):
-    before = report(llm)["attention_forward_calls"]
+    first = report(llm)
+    before = first["attention_forward_calls"]
     greedy(llm, random_prompts([5]), max_tokens=4)
     rep = report(llm)
     assert rep["worker"] == "CpuBackendWorker"
@@ -52,6 +53,12 @@ def test_our_worker_runner_and_attention_ran(llm):
     layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
     # Every layer, every step: 1 prefill + 3 decodes.
     assert rep["attention_forward_calls"] - before == layers * 4
+    # The host's SiluAndMul / RotaryEmbedding were instantiated as ours
+    # (cpu_backend.ops.custom_ops) and our kernels ran in every layer, every step.
+    assert rep["custom_ops"] == ["CpuBackendRotaryEmbedding", "CpuBackendSiluAndMul"]
+    calls, calls_before = rep["custom_op_kernel_calls"], first["custom_op_kernel_calls"]
+    for name in rep["custom_ops"]:
+        assert calls[name] - calls_before.get(name, 0) >= layers * 4, (name, calls, calls_before)
 
 
 def test_batch_of_different_lengths_matches_transformers(llm, tiny_llama):

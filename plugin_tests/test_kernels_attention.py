@@ -8,7 +8,10 @@ run as a script with `--worker ISA`), since a process holds one library.
 Grid: head sizes 64/80/96/128/256 (and 32), GQA ratios 1-8, block sizes 16/32/64,
 fp32/bf16/fp16, requests mixing a fresh prefill, a chunk over a cached prefix
 (odd lengths, crossing block boundaries), and decodes; variants plain, sliding
-window, soft-cap, ALiBi.
+window, soft-cap, ALiBi. The kernel cuts prefill runs into query blocks of
+64 // G tokens (csrc/attention.cpp); the long requests (70 tokens over a
+cached prefix of 37, a fresh 130-token prefill) span several blocks whose
+lengths are not multiples of the block, and several key tiles.
 
 Tolerances (both compute in fp32; they differ in summation order and, for
 bf16/fp16, only in the final rounding of the output):
@@ -30,7 +33,7 @@ except ImportError:  # run as the worker script
 TOL = {"float32": 1e-5, "bfloat16": 1.6e-2, "float16": 2e-3}
 # head_size, num_heads, num_kv_heads, block_size
 SHAPES = [(64, 9, 3, 64), (80, 8, 1, 16), (96, 8, 2, 32), (128, 16, 2, 16), (256, 4, 1, 32),
-          (32, 4, 4, 16), (64, 8, 8, 16)]
+          (32, 4, 4, 16), (64, 8, 8, 16), (128, 12, 2, 16), (96, 10, 2, 32), (64, 7, 1, 128)]
 VARIANTS = {"plain": {}, "window": {"window": 7}, "softcap": {"softcap": 5.0}, "alibi": {"alibi": True}}
 
 
@@ -48,11 +51,12 @@ def _worker() -> dict:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for name, variant in VARIANTS.items():
                 # (context_len, new tokens) per request
-                reqs = [(0, 13), (block_size + 3, 5), (2 * block_size + 1, 1), (block_size - 1, 1), (0, 1)]
+                reqs = [(0, 13), (block_size + 3, 5), (2 * block_size + 1, 1), (block_size - 1, 1), (0, 1),
+                        (37, 70), (0, 130)]
                 num_blocks = sum(-(-(c + n) // block_size) for c, n in reqs) + 2
                 kv_cache = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size, generator=gen).to(dtype)
                 perm = torch.randperm(num_blocks, generator=gen).tolist()
-                block_table = torch.zeros(len(reqs), 8, dtype=torch.int32)
+                block_table = torch.zeros(len(reqs), 16, dtype=torch.int32)
                 for r, (c, n) in enumerate(reqs):
                     ids = [perm.pop() for _ in range(-(-(c + n) // block_size))]
                     block_table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)

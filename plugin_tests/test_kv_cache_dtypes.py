@@ -48,12 +48,13 @@ def _attention_failures(handler, gen) -> tuple[list[str], dict]:
     failures, worst = [], {}
     for head_size, num_heads, num_kv_heads, block_size in SHAPES:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            reqs = [(0, 13), (block_size + 3, 5), (2 * block_size + 1, 1), (0, 1)]
+            # the last: a chunk over a cached prefix spanning several query blocks
+            reqs = [(0, 13), (block_size + 3, 5), (2 * block_size + 1, 1), (0, 1), (21, 40)]
             num_blocks = sum(-(-(c + n) // block_size) for c, n in reqs) + 2
             kv_cache = _cache(handler, num_blocks, num_kv_heads, block_size, head_size, dtype)
             native_cache = kv_cache.clone()
             perm = torch.randperm(num_blocks, generator=gen).tolist()
-            block_table = torch.zeros(len(reqs), 8, dtype=torch.int32)
+            block_table = torch.zeros(len(reqs), 12, dtype=torch.int32)
             slots = []
             for r, (c, n) in enumerate(reqs):
                 ids = [perm.pop() for _ in range(-(-(c + n) // block_size))]

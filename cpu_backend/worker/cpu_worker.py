@@ -27,12 +27,12 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
 from cpu_backend import ops
-from cpu_backend.worker import binding as cpu_binding
-from cpu_backend.worker import checkpoint_files
+from cpu_backend.ops.custom_ops import register_custom_ops
 from cpu_backend.ops.linear_layers import register_layers
 from cpu_backend.ops.moe_layers import register_moe
-from cpu_backend.worker import memory
 from cpu_backend.quantization import register as register_quantization
+from cpu_backend.worker import binding as cpu_binding
+from cpu_backend.worker import checkpoint_files, memory
 from cpu_backend.worker.model_runner import CpuBackendModelRunner
 
 logger = init_logger(f"vllm.{__name__}")
@@ -75,6 +75,7 @@ class CpuBackendWorker(CPUWorker):
         # Before the model is built: its layers are instantiated from these.
         register_layers()
         register_moe()
+        register_custom_ops()
         register_quantization()  # also the general-plugin entry point; idempotent
         if self.use_v2_model_runner:
             # The V2 runner is the host's; our attention backend still serves it.
@@ -133,6 +134,7 @@ class CpuBackendWorker(CPUWorker):
         from cpu_backend.attention.impl import CpuBackendAttentionImpl
         from cpu_backend.ops.moe import CALLS as MOE_CALLS
         from cpu_backend.ops.moe_layers import describe_moe
+        from cpu_backend.ops import custom_ops
         from cpu_backend.quantization.config import WNA16LinearMethod
         from cpu_backend.quantization.w8a8 import CpuBackendInt8ScaledMMLinearKernel
 
@@ -166,6 +168,10 @@ class CpuBackendWorker(CPUWorker):
             "w8a8_linear_calls": CpuBackendInt8ScaledMMLinearKernel.apply_calls,
             "moe_methods": describe_moe(model),
             "moe_experts_calls": MOE_CALLS["experts"],
+            "custom_ops": sorted(
+                {type(m).__name__ for m in model.modules() if type(m).__module__ == custom_ops.__name__}
+            ),
+            "custom_op_kernel_calls": dict(custom_ops.kernel_calls),
         }
 
     def _memory_report(self, model) -> dict:

@@ -12,3 +12,5 @@
 #else
 #error "define one of CPU_BACKEND_ISA_AVX512 / CPU_BACKEND_ISA_AVX2 / CPU_BACKEND_ISA_PORTABLE"
 #endif
+
+#include "vec_math.h"

@@ -79,6 +79,52 @@ struct VecF32x16 {
   friend CB_ALWAYS_INLINE VecF32x16 operator*(VecF32x16 a, VecF32x16 b) {
     return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
   }
+  friend CB_ALWAYS_INLINE VecF32x16 operator-(VecF32x16 a, VecF32x16 b) {
+    return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+  }
+  friend CB_ALWAYS_INLINE VecF32x16 operator/(VecF32x16 a, VecF32x16 b) {
+    return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)};
+  }
+  // x86 MAXPS/MINPS semantics (vec_math.h relies on them): a > b ? a : b,
+  // so a NaN in b is returned.
+  friend CB_ALWAYS_INLINE VecF32x16 max(VecF32x16 a, VecF32x16 b) {
+    return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)};
+  }
+  friend CB_ALWAYS_INLINE VecF32x16 min(VecF32x16 a, VecF32x16 b) {
+    return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)};
+  }
+  // a < b ? x : y, per lane
+  friend CB_ALWAYS_INLINE VecF32x16 select_lt(VecF32x16 a, VecF32x16 b, VecF32x16 x, VecF32x16 y) {
+    return {_mm256_blendv_ps(y.lo, x.lo, _mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ)),
+            _mm256_blendv_ps(y.hi, x.hi, _mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ))};
+  }
+  // Round to the nearest integer (ties to even), as a float.
+  CB_ALWAYS_INLINE VecF32x16 round() const {
+    constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return {_mm256_round_ps(lo, kMode), _mm256_round_ps(hi, kMode)};
+  }
+  // this * 2^n for integer-valued n in [-252, 254]: two exact power-of-two
+  // factors, each a normal float, so results round like one scaling.
+  CB_ALWAYS_INLINE VecF32x16 scale_pow2(VecF32x16 n) const {
+    return {scale_pow2(lo, n.lo), scale_pow2(hi, n.hi)};
+  }
+  CB_ALWAYS_INLINE VecF32x16 abs() const {
+    const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    return {_mm256_and_ps(lo, m), _mm256_and_ps(hi, m)};
+  }
+  // |this| with the sign of s
+  CB_ALWAYS_INLINE VecF32x16 copysign(VecF32x16 s) const {
+    const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(int(0x80000000u)));
+    return {_mm256_or_ps(_mm256_andnot_ps(sign, lo), _mm256_and_ps(sign, s.lo)),
+            _mm256_or_ps(_mm256_andnot_ps(sign, hi), _mm256_and_ps(sign, s.hi))};
+  }
+  CB_ALWAYS_INLINE float reduce_max() const {
+    __m256 s = _mm256_max_ps(lo, hi);
+    __m128 q = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_max_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+  }
   CB_ALWAYS_INLINE float reduce_add() const {
     __m256 s = _mm256_add_ps(lo, hi);
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -89,6 +135,14 @@ struct VecF32x16 {
 
  private:
   static CB_ALWAYS_INLINE __m128i load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static CB_ALWAYS_INLINE __m256 pow2i(__m256i n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+  }
+  static CB_ALWAYS_INLINE __m256 scale_pow2(__m256 x, __m256 n) {
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i n1 = _mm256_srai_epi32(ni, 1);
+    return _mm256_mul_ps(_mm256_mul_ps(x, pow2i(n1)), pow2i(_mm256_sub_epi32(ni, n1)));
+  }
   static CB_ALWAYS_INLINE __m256 widen_bf16(__m128i h) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }

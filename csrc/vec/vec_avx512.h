@@ -77,7 +77,32 @@ struct VecF32x16 {
   }
   friend CB_ALWAYS_INLINE VecF32x16 operator+(VecF32x16 a, VecF32x16 b) { return {_mm512_add_ps(a.v, b.v)}; }
   friend CB_ALWAYS_INLINE VecF32x16 operator*(VecF32x16 a, VecF32x16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend CB_ALWAYS_INLINE VecF32x16 operator-(VecF32x16 a, VecF32x16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend CB_ALWAYS_INLINE VecF32x16 operator/(VecF32x16 a, VecF32x16 b) { return {_mm512_div_ps(a.v, b.v)}; }
+  // x86 MAXPS/MINPS semantics (vec_math.h relies on them): a > b ? a : b,
+  // so a NaN in b is returned.
+  friend CB_ALWAYS_INLINE VecF32x16 max(VecF32x16 a, VecF32x16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  friend CB_ALWAYS_INLINE VecF32x16 min(VecF32x16 a, VecF32x16 b) { return {_mm512_min_ps(a.v, b.v)}; }
+  // a < b ? x : y, per lane
+  friend CB_ALWAYS_INLINE VecF32x16 select_lt(VecF32x16 a, VecF32x16 b, VecF32x16 x, VecF32x16 y) {
+    return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ), y.v, x.v)};
+  }
+  // Round to the nearest integer (ties to even), as a float.
+  CB_ALWAYS_INLINE VecF32x16 round() const {
+    return {_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+  }
+  // this * 2^n for integer-valued n (overflow -> inf, underflow -> subnormal/0).
+  CB_ALWAYS_INLINE VecF32x16 scale_pow2(VecF32x16 n) const { return {_mm512_scalef_ps(v, n.v)}; }
+  CB_ALWAYS_INLINE VecF32x16 abs() const {
+    return {_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)))};
+  }
+  // |this| with the sign of s
+  CB_ALWAYS_INLINE VecF32x16 copysign(VecF32x16 s) const {
+    return {_mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(v), _mm512_castps_si512(s.v),
+                                                          _mm512_set1_epi32(0x7fffffff), 0xE4))};
+  }
   CB_ALWAYS_INLINE float reduce_add() const { return _mm512_reduce_add_ps(v); }
+  CB_ALWAYS_INLINE float reduce_max() const { return _mm512_reduce_max_ps(v); }
 
  private:
   static CB_ALWAYS_INLINE __m128i load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }

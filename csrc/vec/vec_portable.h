@@ -1,6 +1,8 @@
 // VecF32x16 in plain C++ (float[16] loops): baseline x86-64 or any arch.
 #pragma once
 
+#include <cmath>
+
 #include "vec_common.h"
 
 namespace cpu_backend {
@@ -53,6 +55,62 @@ struct VecF32x16 {
     VecF32x16 r;
     for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] * b.v[i];
     return r;
+  }
+  friend CB_ALWAYS_INLINE VecF32x16 operator-(VecF32x16 a, VecF32x16 b) {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] - b.v[i];
+    return r;
+  }
+  friend CB_ALWAYS_INLINE VecF32x16 operator/(VecF32x16 a, VecF32x16 b) {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] / b.v[i];
+    return r;
+  }
+  // x86 MAXPS/MINPS semantics (vec_math.h relies on them): a > b ? a : b,
+  // so a NaN in b is returned.
+  friend CB_ALWAYS_INLINE VecF32x16 max(VecF32x16 a, VecF32x16 b) {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i];
+    return r;
+  }
+  friend CB_ALWAYS_INLINE VecF32x16 min(VecF32x16 a, VecF32x16 b) {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] < b.v[i] ? a.v[i] : b.v[i];
+    return r;
+  }
+  // a < b ? x : y, per lane
+  friend CB_ALWAYS_INLINE VecF32x16 select_lt(VecF32x16 a, VecF32x16 b, VecF32x16 x, VecF32x16 y) {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] < b.v[i] ? x.v[i] : y.v[i];
+    return r;
+  }
+  // Round to the nearest integer (ties to even in the default rounding mode).
+  CB_ALWAYS_INLINE VecF32x16 round() const {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = std::nearbyint(v[i]);
+    return r;
+  }
+  // this * 2^n for integer-valued n (NaN n: NaN).
+  CB_ALWAYS_INLINE VecF32x16 scale_pow2(VecF32x16 n) const {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = n.v[i] == n.v[i] ? std::ldexp(v[i], int(n.v[i])) : n.v[i];
+    return r;
+  }
+  CB_ALWAYS_INLINE VecF32x16 abs() const {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = std::fabs(v[i]);
+    return r;
+  }
+  // |this| with the sign of s
+  CB_ALWAYS_INLINE VecF32x16 copysign(VecF32x16 s) const {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = std::copysign(v[i], s.v[i]);
+    return r;
+  }
+  CB_ALWAYS_INLINE float reduce_max() const {
+    float m = v[0];
+    for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
+    return m;
   }
   CB_ALWAYS_INLINE float reduce_add() const {
     float s = 0.0f;
