@@ -81,12 +81,36 @@ struct Params {
 };
 
 // ---------------------------------------------------------------------------
-// One query token (decode): dot products along head_size per GQA head.
+// One query token (decode). Keys and values are read in chunks of up to 16
+// rows of one block and widened to fp32 once per chunk; every GQA head then
+// reuses them from L1. A head's 16 scores are 16 partial dot-product vectors
+// summed across lanes together (reduce_add16, a transpose-and-add tree: a few
+// ops per score instead of a horizontal sum each), so masking, softcap, ALiBi
+// and the exp run 16 scores at a time. The softmax is online per chunk, and
+// the accumulator update keeps kPvVecs output vectors in registers across
+// the chunk's rows.
+
+constexpr float kLane[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// acc[0:16*CV] = acc * corr + sum_{j<n} p[j] * vf[j][0:16*CV]
+template <int CV>
+CB_ALWAYS_INLINE void pv_chunk(float* acc, float corr, const float* p, const float (*vf)[kMaxHeadSize],
+                               int64_t n, int64_t c0) {
+  VecF32x16 a[CV];
+  const VecF32x16 c = VecF32x16::broadcast(corr);
+  CB_UNROLL for (int v = 0; v < CV; ++v) a[v] = VecF32x16::load(acc + 16 * v) * c;
+  for (int64_t j = 0; j < n; ++j) {
+    const VecF32x16 pj = VecF32x16::broadcast(p[j]);
+    CB_UNROLL for (int v = 0; v < CV; ++v) a[v] = fma(pj, VecF32x16::load(vf[j] + 16 * (c0 + v)), a[v]);
+  }
+  CB_UNROLL for (int v = 0; v < CV; ++v) a[v].store(acc + 16 * v);
+}
 
 template <typename T, typename KV>
 void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache,
                   const int32_t* block_row, int64_t pos, int64_t kv_head, T* out) {
   using E = typename KV::elem;
+  using V = VecF32x16;
   const int64_t D = P.head_size, G = P.num_heads / P.num_kv_heads, NV = D / 16;
   const int64_t first_head = kv_head * G;
   const int64_t start = P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : 0;
@@ -96,88 +120,75 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
 
   alignas(64) float qs[kMaxGroup][kMaxHeadSize];
   alignas(64) float acc[kMaxGroup][kMaxHeadSize];
+  alignas(64) float kf[16][kMaxHeadSize];
+  alignas(64) float vf[16][kMaxHeadSize];
+  alignas(64) float probs[16];
+  alignas(64) float key_scales[16], value_scales[16];
   float running_max[kMaxGroup], running_sum[kMaxGroup];
-  alignas(64) float scores[kMaxGroup * kMaxBlockSize];
 
-  const VecF32x16 q_scale = VecF32x16::broadcast(P.scale * P.k_scale);
+  const V q_scale = V::broadcast(P.scale * P.k_scale);
   for (int64_t g = 0; g < G; ++g) {
     const T* qg = q + (first_head + g) * D;
     for (int64_t i = 0; i < NV; ++i) {
-      (VecF32x16::load(qg + 16 * i) * q_scale).store(qs[g] + 16 * i);
-      VecF32x16::zero().store(acc[g] + 16 * i);
+      (V::load(qg + 16 * i) * q_scale).store(qs[g] + 16 * i);
+      V::zero().store(acc[g] + 16 * i);
     }
     running_max[g] = kNegInf;
     running_sum[g] = 0.f;
   }
+  const V lane = V::load(kLane), neg_inf = V::broadcast(kNegInf), cap = V::broadcast(P.softcap),
+          inv_cap = V::broadcast(P.softcap > 0.f ? 1.f / P.softcap : 0.f);
 
-  for (int64_t b = start / P.block_size; b * P.block_size <= pos; ++b) {
-    const E* block = kv_cache + int64_t(block_row[b]) * block_stride + kv_head * head_stride;
-    const int64_t t0 = std::max(start, b * P.block_size);
-    const int64_t t1 = std::min(pos + 1, (b + 1) * P.block_size);
-    const int64_t n = t1 - t0;
-    // scores[g][j] for keys t0 + j
-    for (int64_t j = 0; j < n; ++j) {
-      const E* k = block + (t0 + j - b * P.block_size) * token_stride;
-      VecF32x16 kv[kMaxHeadSize / 16];
-      for (int64_t i = 0; i < NV; ++i) kv[i] = VecF32x16::load(k + 16 * i);
-      float row_scale = 1.f;
-      if constexpr (KV::kTokenScales) row_scale = KV::key_scale(k, D);
-      for (int64_t g = 0; g < G; ++g) {
-        VecF32x16 s = VecF32x16::zero();
-        for (int64_t i = 0; i < NV; ++i) s = fma(VecF32x16::load(qs[g] + 16 * i), kv[i], s);
-        float score = s.reduce_add();
-        if constexpr (KV::kTokenScales) score *= row_scale;
-        if (P.softcap > 0.f) score = P.softcap * std::tanh(score / P.softcap);
-        if (P.alibi) score += P.alibi[first_head + g] * float(t0 + j - pos);
-        scores[g * kMaxBlockSize + j] = score;
+  for (int64_t t0 = start, n = 0; t0 <= pos; t0 += n) {
+    const int64_t b = t0 / P.block_size;
+    n = std::min<int64_t>({16, pos + 1 - t0, (b + 1) * P.block_size - t0});
+    const E* rows = kv_cache + int64_t(block_row[b]) * block_stride + kv_head * head_stride +
+                    (t0 - b * P.block_size) * token_stride;
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= n) {  // lanes past the chunk: zeros (their scores are masked)
+        for (int64_t i = 0; i < NV; ++i) V::zero().store(kf[j] + 16 * i);
+        continue;
       }
-    }
-    // Softmax over the block, vectorized: lanes past n hold -inf (exp -> 0).
-    const int64_t n16 = (n + 15) / 16 * 16;
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = scores + g * kMaxBlockSize;
-      std::fill(sg + n, sg + n16, kNegInf);
-      VecF32x16 vmax = VecF32x16::broadcast(kNegInf);
-      for (int64_t j = 0; j < n16; j += 16) vmax = max(vmax, VecF32x16::load(sg + j));
-      const float new_max = std::max(running_max[g], vmax.reduce_max());
-      const float correction = std::exp(running_max[g] - new_max);
-      const VecF32x16 vnew = VecF32x16::broadcast(new_max);
-      VecF32x16 vsum = VecF32x16::zero();
-      for (int64_t j = 0; j < n16; j += 16) {
-        const VecF32x16 e = exp(VecF32x16::load(sg + j) - vnew);
-        e.store(sg + j);
-        vsum = vsum + e;
-      }
-      running_sum[g] = running_sum[g] * correction + vsum.reduce_add();
-      running_max[g] = new_max;
-      if (correction != 1.f) {
-        const VecF32x16 c = VecF32x16::broadcast(correction);
-        for (int64_t i = 0; i < NV; ++i) (VecF32x16::load(acc[g] + 16 * i) * c).store(acc[g] + 16 * i);
-      }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const E* row = block + (t0 + j - b * P.block_size) * token_stride;
-      const E* v = row + D;
-      float probs[kMaxGroup];
-      for (int64_t g = 0; g < G; ++g) probs[g] = scores[g * kMaxBlockSize + j];
-      if constexpr (KV::kTokenScales) {
-        const float vs = KV::value_scale(row, D);
-        for (int64_t g = 0; g < G; ++g) probs[g] *= vs;
-      }
+      const E* row = rows + j * token_stride;
       for (int64_t i = 0; i < NV; ++i) {
-        const VecF32x16 vv = VecF32x16::load(v + 16 * i);
-        for (int64_t g = 0; g < G; ++g) {
-          const VecF32x16 p = VecF32x16::broadcast(probs[g]);
-          fma(p, vv, VecF32x16::load(acc[g] + 16 * i)).store(acc[g] + 16 * i);
-        }
+        V::load(row + 16 * i).store(kf[j] + 16 * i);
+        V::load(row + D + 16 * i).store(vf[j] + 16 * i);
       }
+      if constexpr (KV::kTokenScales) {
+        key_scales[j] = KV::key_scale(row, D);
+        value_scales[j] = KV::value_scale(row, D);
+      }
+    }
+    const V key_pos = lane + V::broadcast(float(t0));
+    for (int64_t g = 0; g < G; ++g) {
+      V part[16];
+      for (int j = 0; j < 16; ++j) {
+        V s = V::zero();
+        for (int64_t i = 0; i < NV; ++i) s = fma(V::load(qs[g] + 16 * i), V::load(kf[j] + 16 * i), s);
+        part[j] = s;
+      }
+      V s = reduce_add16(part);
+      if constexpr (KV::kTokenScales) s = s * V::load(key_scales);
+      if (P.softcap > 0.f) s = cap * tanh(s * inv_cap);
+      if (P.alibi) s = fma(V::broadcast(P.alibi[first_head + g]), key_pos - V::broadcast(float(pos)), s);
+      if (n < 16) s = select_lt(lane, V::broadcast(float(n)), s, neg_inf);
+      const float new_max = std::max(running_max[g], s.reduce_max());
+      const float corr = std::exp(running_max[g] - new_max);  // exp(-inf) = 0 on the first chunk
+      V p = exp(s - V::broadcast(new_max));
+      running_sum[g] = running_sum[g] * corr + p.reduce_add();
+      running_max[g] = new_max;
+      if constexpr (KV::kTokenScales) p = p * V::load(value_scales);
+      p.store(probs);
+      int64_t c0 = 0;
+      for (; c0 + kPvVecs <= NV; c0 += kPvVecs) pv_chunk<kPvVecs>(acc[g] + 16 * c0, corr, probs, vf, n, c0);
+      for (; c0 < NV; ++c0) pv_chunk<1>(acc[g] + 16 * c0, corr, probs, vf, n, c0);
     }
   }
 
   for (int64_t g = 0; g < G; ++g) {
-    const VecF32x16 inv = VecF32x16::broadcast(P.v_scale / running_sum[g]);
+    const V inv = V::broadcast(P.v_scale / running_sum[g]);
     T* og = out + (first_head + g) * D;
-    for (int64_t i = 0; i < NV; ++i) (VecF32x16::load(acc[g] + 16 * i) * inv).store(og + 16 * i);
+    for (int64_t i = 0; i < NV; ++i) (V::load(acc[g] + 16 * i) * inv).store(og + 16 * i);
   }
 }
 

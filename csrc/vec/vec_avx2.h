@@ -157,4 +157,17 @@ struct VecF32x16 {
   }
 };
 
+// [v[0].reduce_add(), ..., v[15].reduce_add()]: each vector's halves added,
+// then per 8 vectors a tree of horizontal adds and one 128-bit lane exchange.
+static CB_ALWAYS_INLINE __m256 reduce_add8(const __m256 a[8]) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+static CB_ALWAYS_INLINE VecF32x16 reduce_add16(const VecF32x16 v[16]) {
+  __m256 a[16];
+  for (int k = 0; k < 16; ++k) a[k] = _mm256_add_ps(v[k].lo, v[k].hi);
+  return {reduce_add8(a), reduce_add8(a + 8)};
+}
+
 }  // namespace cpu_backend

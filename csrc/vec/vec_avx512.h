@@ -138,4 +138,22 @@ static CB_ALWAYS_INLINE VecF32x16 dot2_bf16(VecF32x16 acc, VecBF16x32 a, VecBF16
   return {_mm512_dpbf16_ps(acc.v, (__m512bh)a.v, (__m512bh)b.v)};
 }
 
+// [v[0].reduce_add(), ..., v[15].reduce_add()]: a transpose-and-add tree.
+// unpack{lo,hi}_ps pairs vectors within 128-bit lanes, unpack{lo,hi}_pd
+// pairs those, then two rounds of 128-bit lane shuffles finish the sums and
+// leave them in order.
+static CB_ALWAYS_INLINE VecF32x16 reduce_add16(const VecF32x16 v[16]) {
+  __m512 x[8], y[4];
+  for (int k = 0; k < 8; ++k)
+    x[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k].v, v[2 * k + 1].v),
+                         _mm512_unpackhi_ps(v[2 * k].v, v[2 * k + 1].v));
+  for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(x[2 * k]), b = _mm512_castps_pd(x[2 * k + 1]);
+    y[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+  const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd))};
+}
+
 }  // namespace cpu_backend

@@ -119,4 +119,11 @@ struct VecF32x16 {
   }
 };
 
+// [v[0].reduce_add(), ..., v[15].reduce_add()]
+static CB_ALWAYS_INLINE VecF32x16 reduce_add16(const VecF32x16 v[16]) {
+  VecF32x16 r;
+  for (int k = 0; k < 16; ++k) r.v[k] = v[k].reduce_add();
+  return r;
+}
+
 }  // namespace cpu_backend
