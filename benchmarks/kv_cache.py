@@ -73,9 +73,11 @@ def worker(args) -> dict:
         seconds, tokens = timed(args.output_len)
         decode.append(tokens / seconds)
     mem = rep["memory"]
+    # which attention path ran is known after the first real forward
+    (after,) = llm.collective_rpc("cpu_backend_report")
     return {
         "kv_cache_dtype": args.worker,
-        "attention_native": rep["attention_native"],
+        "attention_native": after["attention_native"],
         "capacity_tokens": mem["num_blocks"] * llm.llm_engine.vllm_config.cache_config.block_size,
         "kv_bytes": mem["kv_allocated"],
         "prefill_tok_s": args.seqs * args.prompt_len / prefill_s,

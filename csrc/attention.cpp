@@ -144,6 +144,17 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
     n = std::min<int64_t>({16, pos + 1 - t0, (b + 1) * P.block_size - t0});
     const E* rows = kv_cache + int64_t(block_row[b]) * block_stride + kv_head * head_stride +
                     (t0 - b * P.block_size) * token_stride;
+    // The next chunk's rows (usually another block, elsewhere in memory) are
+    // prefetched while this chunk is computed: decode streams many short runs
+    // that the hardware prefetcher picks up too late.
+    if (const int64_t t_next = t0 + n; t_next <= pos) {
+      const int64_t bn = t_next / P.block_size;
+      const int64_t nn = std::min<int64_t>({16, pos + 1 - t_next, (bn + 1) * P.block_size - t_next});
+      const char* next = reinterpret_cast<const char*>(kv_cache + int64_t(block_row[bn]) * block_stride +
+                                                       kv_head * head_stride + (t_next - bn * P.block_size) * token_stride);
+      const int64_t bytes = nn * token_stride * int64_t(sizeof(E));
+      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off);
+    }
     for (int64_t j = 0; j < 16; ++j) {
       if (j >= n) {  // lanes past the chunk: zeros (their scores are masked)
         for (int64_t i = 0; i < NV; ++i) V::zero().store(kf[j] + 16 * i);
