@@ -55,57 +55,47 @@ def quantized_names(state: dict[str, torch.Tensor]) -> list[str]:
             if t.ndim == 2 and BLOCK_WEIGHT.search(n) and not ROUTER_WEIGHT.search(n)]
 
 
-def input_energy(model_dir: Path, text: str, names: list[str]) -> dict[str, torch.Tensor]:
-    """Mean x^2 per input feature of each linear layer on `text` (transformers, fp32)."""
+def _observe_inputs(model_dir: Path, text: str, names: list[str], observe, what: str) -> dict:
+    """Runs the model (transformers, fp32) on `text` with `observe(stats, key, x)`
+    called on each input `x` of the linear layers `names`; returns `stats`
+    keyed by weight name."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     wanted = {n.removesuffix(".weight") for n in names}
-    sums: dict[str, torch.Tensor] = {}
-    hooks = []
-    for mod_name, mod in model.named_modules():
-        if mod_name in wanted:
-            def hook(m, inp, out, key=mod_name):
-                x = inp[0].detach().float().reshape(-1, inp[0].shape[-1])
-                sums[key] = sums.get(key, 0) + (x * x).mean(0)
-            hooks.append(mod.register_forward_hook(hook))
+    stats: dict = {}
+    hooks = [
+        mod.register_forward_hook(lambda m, inp, out, key=mod_name: observe(stats, key, inp[0].detach().float()))
+        for mod_name, mod in model.named_modules() if mod_name in wanted
+    ]
     ids = tok(text, return_tensors="pt").input_ids[:, :2048]
     with torch.no_grad():
         model(ids)
     for h in hooks:
         h.remove()
-    missing = wanted - sums.keys()
+    missing = wanted - stats.keys()
     if missing:
-        raise SystemExit(f"--desc-act: calibration did not reach {sorted(missing)[:3]}")
-    return {f"{k}.weight": v for k, v in sums.items()}
+        raise SystemExit(f"{what}: calibration did not reach {sorted(missing)[:3]}")
+    return {f"{k}.weight": v for k, v in stats.items()}
+
+
+def input_energy(model_dir: Path, text: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """Mean x^2 per input feature of each linear layer on `text`."""
+    def observe(stats, key, x):
+        x = x.reshape(-1, x.shape[-1])
+        stats[key] = stats.get(key, 0) + (x * x).mean(0)
+
+    return _observe_inputs(model_dir, text, names, observe, "--desc-act")
 
 
 def input_ranges(model_dir: Path, text: str, names: list[str]) -> dict[str, tuple[float, float]]:
-    """(min, max) of each linear layer's input on `text` (transformers, fp32)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(min, max) of each linear layer's input on `text`."""
+    def observe(stats, key, x):
+        lo, hi = stats.get(key, (0.0, 0.0))
+        stats[key] = (min(lo, float(x.min())), max(hi, float(x.max())))
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    wanted = {n.removesuffix(".weight") for n in names}
-    ranges: dict[str, tuple[float, float]] = {}
-    hooks = []
-    for mod_name, mod in model.named_modules():
-        if mod_name in wanted:
-            def hook(m, inp, out, key=mod_name):
-                x = inp[0].detach().float()
-                lo, hi = ranges.get(key, (0.0, 0.0))
-                ranges[key] = (min(lo, float(x.min())), max(hi, float(x.max())))
-            hooks.append(mod.register_forward_hook(hook))
-    ids = tok(text, return_tensors="pt").input_ids[:, :2048]
-    with torch.no_grad():
-        model(ids)
-    for h in hooks:
-        h.remove()
-    missing = wanted - ranges.keys()
-    if missing:
-        raise SystemExit(f"--activations static: calibration did not reach {sorted(missing)[:3]}")
-    return {f"{k}.weight": v for k, v in ranges.items()}
+    return _observe_inputs(model_dir, text, names, observe, "--activations static")
 
 
 def w8a8_args(activations: str, act_sym: bool):
