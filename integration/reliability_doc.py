@@ -55,7 +55,10 @@ def render(data: dict) -> str:
                   f"(of {r['clients'] * r.get('n', 1) * r['max_tokens']} asked), then "
                   f"running requests {r['running_after']:g} and KV-cache usage "
                   f"{r['kv_usage_after']:g} (peak seen {r['peak_kv_usage']:g}) within "
-                  f"{r.get('idle_after_s', '?')} s ({r['recorded']}).", ""]
+                  f"{r.get('idle_after_s', '?')} s"
+                  + (f", where finishing what was asked would have taken ~{r['unfinished_work_s']:g} s "
+                     "more at the rate seen" if "unfinished_work_s" in r else "")
+                  + f" ({r['recorded']}).", ""]
 
     lines += ["### Faults", ""]
     lines += _table(
