@@ -4,7 +4,7 @@ torch's bf16 linear, and the host's CPU int8 path (oneDNN:
 `onednn_scaled_int8_quant` + `onednn_scaled_mm`, what CPUInt8ScaledMMLinearKernel
 runs without AMX), per ISA library, same shapes, same process.
 
-    .venv/bin/python benchmarks/kernels_w8a8.py [--isas avx2,avx512] [--threads 2]
+    .venv/bin/python -m benchmarks.kernels_w8a8 [--isas avx2,avx512] [--threads 2]
                                                 [--out benchmarks/results/kernels_w8a8.md]
 
 Shapes: the decoder-layer linears of Qwen2.5-0.5B (qkv 1152x896, o 896x896,
@@ -15,26 +15,9 @@ weights rotated through copies totalling > 96 MiB so M = 1 reads come from DRAM.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
-import sys
-import time
-
-SHAPES = [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)]
-ROTATE_BYTES = 96 << 20
-
-
-def _median_ms(fn, iters):
-    fn(0)
-    ts = []
-    for i in range(iters):
-        t = time.perf_counter()
-        fn(i)
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
+from benchmarks import isa_runs
+from benchmarks.isa_runs import QWEN05_LINEARS as SHAPES
+from benchmarks.isa_runs import ROTATE_BYTES, median_ms
 
 
 def _host_int8():
@@ -83,16 +66,16 @@ def worker(threads: int, iters: int) -> dict:
                 lay = ours[i % len(ours)]
                 torch.ops.cpu_backend.w8a8_linear(x, lay["qweight"], lay["wsum"], lay["w_scale"], n)
 
-            row["w8a8_ms"] = _median_ms(ours_call, iters)
-            row["bf16_ms"] = _median_ms(lambda i: dense.linear(x, packed[i % len(packed)], n), iters)
-            row["torch_bf16_ms"] = _median_ms(
+            row["w8a8_ms"] = median_ms(ours_call, iters)
+            row["bf16_ms"] = median_ms(lambda i: dense.linear(x, packed[i % len(packed)], n), iters)
+            row["torch_bf16_ms"] = median_ms(
                 lambda i: torch.nn.functional.linear(x, wb[i % len(wb)]), iters)
             if handlers is not None:
                 def host_call(i):
                     xq, xs, xzp = hops.onednn_scaled_int8_quant(x, None, None, True)
                     out = torch.empty((m, n), dtype=x.dtype)
                     hops.onednn_scaled_mm(handlers[i % len(handlers)], xq, out, xs, xzp, None, None)
-                row["host_int8_ms"] = _median_ms(host_call, iters)
+                row["host_int8_ms"] = median_ms(host_call, iters)
             rows.append(row)
     return {"isa": isa, "threads": threads, "rows": rows, "host_int8": hops is not None}
 
@@ -125,31 +108,7 @@ def render(results: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--isas", default="avx2,avx512")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--out", default="benchmarks/results/kernels_w8a8.md")
-    p.add_argument("--worker", action="store_true")
-    a = p.parse_args()
-    if a.worker:
-        print("RESULT " + json.dumps(worker(a.threads, a.iters)))
-        return
-    results = []
-    for isa in a.isas.split(","):
-        proc = subprocess.run(
-            [sys.executable, __file__, "--worker", "--threads", str(a.threads), "--iters", str(a.iters)],
-            env={**os.environ, "VLLM_CPU_BACKEND_ISA": isa}, capture_output=True, text=True)
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not line:
-            print(proc.stderr[-2000:], file=sys.stderr)
-            raise SystemExit(f"{isa} worker failed")
-        results.append(json.loads(line[-1].removeprefix("RESULT ")))
-    text = render(results)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    isa_runs.main("benchmarks.kernels_w8a8", worker, render, "benchmarks/results/kernels_w8a8.md")
 
 
 if __name__ == "__main__":

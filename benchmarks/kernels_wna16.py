@@ -1,7 +1,7 @@
 """Microbenchmark: weight-only int4/int8 linear (cpu_backend::wna16_linear) vs
 our bf16 linear (cpu_backend::linear), per ISA library.
 
-    .venv/bin/python benchmarks/kernels_wna16.py [--isas avx2,avx512,portable] [--threads 2]
+    .venv/bin/python -m benchmarks.kernels_wna16 [--isas avx2,avx512,portable] [--threads 2]
                                                  [--out benchmarks/results/kernels_wna16.md]
 
 Shapes: the decoder-layer linears of Qwen2.5-0.5B (qkv 1152x896, o 896x896,
@@ -15,27 +15,9 @@ reads come from DRAM, like a model whose layers do not stay in cache.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-SHAPES = [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)]
-ROTATE_BYTES = 96 << 20
-
-
-def _median_ms(fn, iters):
-    fn(0)
-    ts = []
-    for i in range(iters):
-        t = time.perf_counter()
-        fn(i)
-        ts.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(ts)
+from benchmarks import isa_runs
+from benchmarks.isa_runs import QWEN05_LINEARS as SHAPES
+from benchmarks.isa_runs import ROTATE_BYTES, median_ms
 
 
 def worker(threads: int, iters: int) -> dict:
@@ -64,7 +46,7 @@ def worker(threads: int, iters: int) -> dict:
         for m in (1, 64):
             x = torch.randn(m, k, generator=gen).bfloat16()
             row = {"layer": name, "n": n, "k": k, "m": m}
-            row["bf16_ms"] = _median_ms(
+            row["bf16_ms"] = median_ms(
                 lambda i: dense.linear(x, packed[i % len(packed)], n), iters)
             row["bf16_gbs"] = n * k * 2 / row["bf16_ms"] / 1e6
             for bits, (lays, nbytes) in quant.items():
@@ -72,7 +54,7 @@ def worker(threads: int, iters: int) -> dict:
                     lay = lays[i % len(lays)]
                     torch.ops.cpu_backend.wna16_linear(x, lay["qweight"], lay["scales"], lay["zs"],
                                                        bits, lay["group_size"], n, None, None)
-                ms = _median_ms(call, iters)
+                ms = median_ms(call, iters)
                 row[f"int{bits}_ms"] = ms
                 row[f"int{bits}_gbs"] = nbytes / ms / 1e6
             rows.append(row)
@@ -99,30 +81,7 @@ def render(results: list[dict]) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--isas", default="avx2,avx512")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--out", default="benchmarks/results/kernels_wna16.md")
-    p.add_argument("--worker", action="store_true")
-    a = p.parse_args()
-    if a.worker:
-        print("RESULT " + json.dumps(worker(a.threads, a.iters)))
-        return
-    results = []
-    for isa in a.isas.split(","):
-        proc = subprocess.run(
-            [sys.executable, __file__, "--worker", "--threads", str(a.threads), "--iters", str(a.iters)],
-            env={**os.environ, "VLLM_CPU_BACKEND_ISA": isa}, capture_output=True, text=True)
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not line:
-            print(proc.stderr[-2000:], file=sys.stderr)
-            raise SystemExit(f"{isa} worker failed")
-        results.append(json.loads(line[-1][7:]))
-    text = render(results)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(text)
-    print(text)
+    isa_runs.main("benchmarks.kernels_wna16", worker, render, "benchmarks/results/kernels_wna16.md")
 
 
 if __name__ == "__main__":
