@@ -27,6 +27,7 @@
 
 #include "dtype.h"
 #include "ops.h"
+#include "panel_tasks.h"
 #include "vec/vec.h"
 
 namespace cpu_backend {
@@ -47,7 +48,6 @@ constexpr int kMR = 4;
 #endif
 constexpr int kNR = 16 * kNV;
 
-constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---------------------------------------------------------------- packing ---
 
@@ -261,31 +261,16 @@ void run_linear(const typename Kern::AT* ap, const WT* wp, const float* bias, OT
   const int64_t KA = Kern::a_rows(K);
   const int64_t P = ceil_div(N, kNR);
   const int64_t C = ceil_div(M, kMR);
-  const int64_t T = std::max(1, at::get_num_threads());
-  // Few panels: also split rows so every thread gets work.
-  int64_t row_blocks = 1;
-  if (C > 1 && P < 4 * T) row_blocks = std::min(C, ceil_div(4 * T, P));
-  const int64_t chunks_per_block = ceil_div(C, row_blocks);
-  row_blocks = ceil_div(C, chunks_per_block);
-  const int64_t tasks = P * row_blocks;
-  // Tiny problems: one thread (a parallel region costs a few microseconds).
-  const int64_t grain = (M * N * K < (int64_t(1) << 17)) ? tasks : 1;
-
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+  parallel_panels(P, C, M * N * K, [&](int64_t p, int64_t c_begin, int64_t c_end) {
     alignas(64) float tile[kMR * kNR];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / row_blocks;
-      const int64_t rb = t % row_blocks;
-      const WT* panel = wp + p * K * kNR;
-      const float* pbias = bias ? bias + p * kNR : nullptr;
-      const int nn = int(std::min<int64_t>(kNR, N - p * kNR));
-      const int64_t c_end = std::min(C, (rb + 1) * chunks_per_block);
-      for (int64_t c = rb * chunks_per_block; c < c_end; ++c) {
-        const int64_t r0 = c * kMR;
-        const int mr = int(std::min<int64_t>(kMR, M - r0));
-        kernels[mr - 1](ap + c * kMR * KA, panel, K, tile);
-        store_tile(tile, mr, pbias, out + r0 * N + p * kNR, N, nn);
-      }
+    const WT* panel = wp + p * K * kNR;
+    const float* pbias = bias ? bias + p * kNR : nullptr;
+    const int nn = int(std::min<int64_t>(kNR, N - p * kNR));
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int64_t r0 = c * kMR;
+      const int mr = int(std::min<int64_t>(kMR, M - r0));
+      kernels[mr - 1](ap + c * kMR * KA, panel, K, tile);
+      store_tile(tile, mr, pbias, out + r0 * N + p * kNR, N, nn);
     }
   });
 }

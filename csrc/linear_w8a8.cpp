@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "panel_tasks.h"
 #include "vec/vec.h"
 #include "vec/vec_int8.h"
 
@@ -45,7 +46,6 @@ using Vec = VecF32x16;
 constexpr int kNR = 16;
 constexpr int kMR = kInt8MR;
 
-constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 struct ActQuant {
   bool dynamic;
@@ -113,26 +113,14 @@ void int8_gemm(const uint8_t* aq, int64_t Kp, int64_t M, const int8_t* qw, int64
   static constexpr auto kernels = make_table(std::make_index_sequence<kMR>{});
   const int64_t K4 = Kp / 4;
   const int64_t C = ceil_div(M, kMR);
-  const int64_t T = std::max(1, at::get_num_threads());
-  int64_t row_blocks = 1;
-  if (C > 1 && P < 4 * T) row_blocks = std::min(C, ceil_div(4 * T, P));
-  const int64_t per_block = ceil_div(C, row_blocks);
-  row_blocks = ceil_div(C, per_block);
-  const int64_t tasks = P * row_blocks;
-  const int64_t grain = (M * P * kNR * Kp < (int64_t(1) << 17)) ? tasks : 1;
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+  parallel_panels(P, C, M * P * kNR * Kp, [&](int64_t p, int64_t c_begin, int64_t c_end) {
     alignas(64) int32_t tile[kMR * kNR];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / row_blocks;
-      const int64_t rb = t % row_blocks;
-      const int8_t* panel = qw + p * K4 * 64;
-      const int64_t c_end = std::min(C, (rb + 1) * per_block);
-      for (int64_t c = rb * per_block; c < c_end; ++c) {
-        const int64_t r0 = c * kMR;
-        const int mr = int(std::min<int64_t>(kMR, M - r0));
-        kernels[mr - 1](aq + r0 * Kp, Kp, panel, K4, tile);
-        epi(tile, r0, mr, p);
-      }
+    const int8_t* panel = qw + p * K4 * 64;
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int64_t r0 = c * kMR;
+      const int mr = int(std::min<int64_t>(kMR, M - r0));
+      kernels[mr - 1](aq + r0 * Kp, Kp, panel, K4, tile);
+      epi(tile, r0, mr, p);
     }
   });
 }

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "panel_tasks.h"
 #include "vec/vec.h"
 #include "vec/vec_quant.h"
 
@@ -45,7 +46,6 @@ constexpr int kMR = 8;
 constexpr int kMR = 3;  // avx2: 4*MR accumulators (acc, group acc) + 2 ymm w + 1 x
 #endif
 
-constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 template <int BITS>
 struct RowBytes {
@@ -177,31 +177,18 @@ void run(const float* ap, const float* asum, const uint8_t* qw, const float* sc,
   const int64_t G = K / gs;
   const int64_t P = ceil_div(N, kNR);
   const int64_t C = ceil_div(M, kMR);
-  const int64_t T = std::max(1, at::get_num_threads());
-  int64_t row_blocks = 1;
-  if (C > 1 && P < 4 * T) row_blocks = std::min(C, ceil_div(4 * T, P));
-  const int64_t per_block = ceil_div(C, row_blocks);
-  row_blocks = ceil_div(C, per_block);
-  const int64_t tasks = P * row_blocks;
-  const int64_t grain = (M * N * K < (int64_t(1) << 17)) ? tasks : 1;
-
-  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+  parallel_panels(P, C, M * N * K, [&](int64_t p, int64_t c_begin, int64_t c_end) {
     alignas(64) float tile[kMR * kNR];
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / row_blocks;
-      const int64_t rb = t % row_blocks;
-      const uint8_t* panel = qw + p * K * RB;
-      const float* ps = sc + p * G * kNR;
-      const float* pz = zs + p * G * kNR;
-      const float* pb = bias ? bias + p * kNR : nullptr;
-      const int nn = int(std::min<int64_t>(kNR, N - p * kNR));
-      const int64_t c_end = std::min(C, (rb + 1) * per_block);
-      for (int64_t c = rb * per_block; c < c_end; ++c) {
-        const int64_t r0 = c * kMR;
-        const int mr = int(std::min<int64_t>(kMR, M - r0));
-        kernels[mr - 1](ap + c * kMR * K, asum + c * kMR * G, panel, ps, pz, K, gs, tile);
-        store_tile(tile, mr, pb, out + r0 * N + p * kNR, N, nn);
-      }
+    const uint8_t* panel = qw + p * K * RB;
+    const float* ps = sc + p * G * kNR;
+    const float* pz = zs + p * G * kNR;
+    const float* pb = bias ? bias + p * kNR : nullptr;
+    const int nn = int(std::min<int64_t>(kNR, N - p * kNR));
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int64_t r0 = c * kMR;
+      const int mr = int(std::min<int64_t>(kMR, M - r0));
+      kernels[mr - 1](ap + c * kMR * K, asum + c * kMR * G, panel, ps, pz, K, gs, tile);
+      store_tile(tile, mr, pb, out + r0 * N + p * kNR, N, nn);
     }
   });
 }

@@ -1,0 +1,36 @@
+// How the GEMM/GEMV drivers (linear.cpp, linear_wna16.cpp, linear_w8a8.cpp)
+// share out their work: the weight is packed in P panels of kNR columns, the
+// rows of x in C chunks of kMR; a task is one panel times a run of chunks.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace cpu_backend {
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Calls f(panel, first_chunk, end_chunk) for every task, on the pool's
+// threads. `work` (about M * N * K) decides whether a parallel region pays.
+template <typename F>
+void parallel_panels(int64_t P, int64_t C, int64_t work, F&& f) {
+  const int64_t T = std::max(1, at::get_num_threads());
+  // Few panels: also split rows so every thread gets work.
+  int64_t row_blocks = 1;
+  if (C > 1 && P < 4 * T) row_blocks = std::min(C, ceil_div(4 * T, P));
+  const int64_t per_block = ceil_div(C, row_blocks);
+  row_blocks = ceil_div(C, per_block);
+  const int64_t tasks = P * row_blocks;
+  // Tiny problems: one thread (a parallel region costs a few microseconds).
+  const int64_t grain = work < (int64_t(1) << 17) ? tasks : 1;
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t rb = t % row_blocks;
+      f(t / row_blocks, rb * per_block, std::min(C, (rb + 1) * per_block));
+    }
+  });
+}
+
+}  // namespace cpu_backend
