@@ -105,7 +105,9 @@ PY
   preload)
     py=$1 require=${2:-}
     libs=()
-    tc=$(ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')
+    # awk reads to the end: exiting at the first match would SIGPIPE ldconfig,
+    # which pipefail + set -e turn into exit status 141 (seen in CI).
+    tc=$(ldconfig -p 2>/dev/null | awk '/libtcmalloc_minimal\.so\.4 / && !tc {tc = $NF} END {print tc}')
     if [ -n "$tc" ]; then libs+=("$tc")
     elif [ "$require" = --require ]; then log "libtcmalloc_minimal.so.4 not found (apt-get install libtcmalloc-minimal4)"; exit 1
     else log "warning: libtcmalloc_minimal.so.4 not found, not preloaded"; fi
