@@ -9,6 +9,8 @@ host's CPU experts), and our experts were called. Mixtral runs with the
 default (weights prepacked for cpu_backend::linear), Qwen3-MoE with
 `VLLM_CPU_MOE_PREPACK=0` (plain weights): both settings meet the reference.
 
+The W8A8 cell of Qwen2-MoE runs its int8 experts on our `CpuBackendW8A8MoEMethod`.
+
 Long lane (CPU_BACKEND_LONG_TESTS=1): GPTQ and compressed-tensors weight-only
 MoE checkpoints on our WNA16 experts against transformers on the dequantized
 weights (AWQ/GPTQ 4-bit also run in the compatibility matrix's cells).
@@ -43,6 +45,19 @@ def test_moe_greedy_identical_on_our_experts(row, prepack, model_root, tmp_path,
     assert OURS in ran, ran
     calls = int(re.search(r"\((\d+) calls of ours\)", ran).group(1))
     assert calls > 0, ran
+
+
+def test_w8a8_moe_on_our_int8_experts(model_root, tmp_path):
+    """The compatibility matrix's W8A8 cell on Qwen2-MoE (experts, shared expert
+    and attention int8 W8A8 with dynamic per-token activations; router not
+    quantized): our `CpuBackendW8A8MoEMethod` serves every MoE layer (the host's
+    needs AMX) and the bf16 engine meets the cell's bound against transformers
+    on the dequantized weights."""
+    result = run_row("Qwen2-MoE", ["w8a8"], model_root, tmp_path)
+    cell = result["cells"]["w8a8"]
+    assert cell["ok"], f"{cell.get('reason')} (log: {result.get('log')})"
+    assert "MoE CpuBackendW8A8MoEMethod/CpuBackendW8A8MoEExperts (" in cell["ran"], cell["ran"]
+    assert int(re.search(r"\((\d+) calls of ours\)", cell["ran"]).group(1)) > 0
 
 
 LONG = pytest.mark.skipif(os.environ.get("CPU_BACKEND_LONG_TESTS") != "1",

@@ -190,3 +190,63 @@ def test_torch_op_is_opaque_to_torch_compile(moe):
     y = torch.compile(layer, fullgraph=True, dynamic=True)(x, tw, ti)
     _check(y / 2, moe.fused_experts_reference(x, w13, w2, tw, ti), torch.float32)
     assert moe.CALLS["experts"] > before
+
+
+def _w8a8_reference(x, w13q, s13, w2q, s2, tw, ti, symmetric, b13=None, b2=None):
+    """int8 W8A8 experts token by token in float64: each GEMM's input rows
+    fake-quantized per token (plugin_tests/test_kernels_w8a8.ref_quantize),
+    weights q * per-channel scale, act * up rounded to x's dtype as in the op."""
+    from plugin_tests.test_kernels_w8a8 import ref_quantize
+
+    def fq(v):
+        q, s, z = ref_quantize(v, symmetric=symmetric)
+        return (q.double() - z.double()[:, None]) * s.double()[:, None]
+
+    out = torch.zeros(x.shape[0], w2q.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ti.shape[1]):
+            e = int(ti[t, j])
+            h = fq(x[t:t + 1]) @ (w13q[e].double() * s13[e].double()).T
+            if b13 is not None:
+                h = h + b13[e].double()
+            gate, up = h.to(x.dtype).double().chunk(2, dim=-1)
+            a = (gate * torch.sigmoid(gate) * up).to(x.dtype)
+            y = fq(a) @ (w2q[e].double() * s2[e].double()).T
+            if b2 is not None:
+                y = y + b2[e].double()
+            out[t] += float(tw[t, j]) * y[0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_w8a8_experts_match_fake_quant_reference(moe, dtype, symmetric, bias):
+    """cpu_backend::moe_experts_w8a8 (the W8A8 MoE method's op) on weights in
+    the kernel layout the method builds (w8a8.kernel_layout), sizes off the
+    16-column panel and 4-byte k-quad. Bound: max |y - ref| <= 1e-3 R in fp32
+    (an activation exactly on a rounding tie may quantize one step apart),
+    2.5e-2 R in bf16 (as the unquantized experts)."""
+    from cpu_backend.quantization.w8a8 import kernel_layout
+
+    m, e, topk, h, i = 21, 4, 2, 44, 38
+    g = torch.Generator().manual_seed(23 + symmetric)
+    x = torch.randn(m, h, generator=g).to(dtype)
+    tw, ti = _route(torch.randn(m, e, generator=g), topk, "softmax")
+    w13q = torch.randint(-127, 128, (e, 2 * i, h), generator=g, dtype=torch.int8)
+    w2q = torch.randint(-127, 128, (e, h, i), generator=g, dtype=torch.int8)
+    s13 = torch.rand(e, 2 * i, 1, generator=g) / (127 * h**0.5)
+    s2 = torch.rand(e, h, 1, generator=g) / (127 * i**0.5)
+    b13 = torch.randn(e, 2 * i, generator=g).to(dtype) if bias else None
+    b2 = torch.randn(e, h, generator=g).to(dtype) if bias else None
+    p13 = [kernel_layout(w13q[k], s13[k].reshape(-1)) for k in range(e)]
+    p2 = [kernel_layout(w2q[k], s2[k].reshape(-1)) for k in range(e)]
+    y = torch.ops.cpu_backend.moe_experts_w8a8(
+        x, tw, ti, [p["qweight"] for p in p13], [p["wsum"] for p in p13],
+        [p["w_scale"] for p in p13], [p["qweight"] for p in p2], [p["wsum"] for p in p2],
+        [p["w_scale"] for p in p2], 2 * i, h, symmetric, "silu", b13, b2, None, False)
+    ref = _w8a8_reference(x, w13q, s13, w2q, s2, tw, ti, symmetric, b13, b2)
+    bound = (1e-3 if dtype == torch.float32 else 2.5e-2) * ref.abs().max().item()
+    err = (y.double() - ref).abs().max().item()
+    assert y.dtype == dtype and y.shape == (m, h)
+    assert err <= bound, f"max |y - ref| {err:.3g} > {bound:.3g}"

@@ -198,3 +198,16 @@ def test_per_tensor_weight_scales_of_fused_shards(tp1):
     want = (rq.double() * rs[:, None].double()) @ (q.double() * ws[:, None]).T
     y = scheme.apply_weights(layer, x, None)
     assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_float_weight_for_an_int8_layer_is_refused(tp1):
+    """A layer the checkpoint left unquantized but the config does not ignore
+    (e.g. an MoE router missing from `ignore`) used to load its float weight
+    into the int8 parameter silently (garbage out): now an error naming the
+    tensor and the fix."""
+    from cpu_backend.quantization.config import QuantWeightError
+
+    w = torch.randn(16, 32)
+    with pytest.raises(QuantWeightError, match=r"weight: checkpoint tensor is \(16, 32\) float32, "
+                                               r"expected int8 .*ignore"):
+        _layer("dynamic", True, {"weight": w, "weight_scale": torch.ones(16, 1)})

@@ -252,3 +252,38 @@ def _(x, topk_weights, topk_ids, qweight13, scales13, zs13, perm13, qweight2, sc
       perm2, bits, group_size13, group_size2, n13, n2, activation, expert_map,
       apply_router_weight_on_input):
     return x.new_empty((x.shape[0], n2))
+
+
+@torch.library.custom_op("cpu_backend::moe_experts_w8a8", mutates_args=())
+def moe_experts_w8a8_op(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    qweight13: list[torch.Tensor], wsum13: list[torch.Tensor], w_scale13: list[torch.Tensor],
+    qweight2: list[torch.Tensor], wsum2: list[torch.Tensor], w_scale2: list[torch.Tensor],
+    n13: int, n2: int, input_symmetric: bool, activation: str, w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None, expert_map: torch.Tensor | None,
+    apply_router_weight_on_input: bool,
+) -> torch.Tensor:
+    """int8 W8A8 experts on cpu_backend::w8a8_linear, activations quantized per
+    token (dynamic) at each GEMM."""
+    CALLS["experts"] += 1
+
+    def gemm(xe, q, s, w, n, bias):
+        return torch.ops.cpu_backend.w8a8_linear(xe, q, s, w, n, None, None, input_symmetric,
+                                                 bias)
+
+    def expert(e, xe):
+        h = gemm(xe, qweight13[e], wsum13[e], w_scale13[e], n13,
+                 None if w13_bias is None else w13_bias[e])
+        return gemm(gated_activation(h, activation), qweight2[e], wsum2[e], w_scale2[e], n2,
+                    None if w2_bias is None else w2_bias[e])
+
+    return grouped_experts(x, topk_weights, topk_ids, len(qweight13), n2, expert,
+                           expert_map=expert_map,
+                           apply_router_weight_on_input=apply_router_weight_on_input)
+
+
+@moe_experts_w8a8_op.register_fake
+def _(x, topk_weights, topk_ids, qweight13, wsum13, w_scale13, qweight2, wsum2, w_scale2, n13,
+      n2, input_symmetric, activation, w13_bias, w2_bias, expert_map,
+      apply_router_weight_on_input):
+    return x.new_empty((x.shape[0], n2))

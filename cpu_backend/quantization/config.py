@@ -333,10 +333,14 @@ class QuantWeightError(ValueError):
     """A checkpoint tensor of a quantized layer does not fit its parameter."""
 
 
+_QUANTIZED_DTYPES = {torch.int32: "int32 (packed quantized values)",
+                     torch.int8: "int8 (quantized values)"}
+
+
 def _checked_loader(layer, loader):
     """The host's loaders fail on a mis-shaped checkpoint tensor with a bare
     torch error ("start (0) + length (32) exceeds dimension size (31)"), and
-    would copy a float tensor into an int32 one without a word: name the
+    would copy a float tensor into an int32 / int8 one without a word: name the
     tensor, its shape and dtype, and what the layer expects. Records what was
     loaded: the host does not check that a quantized model's tensors were all
     in the checkpoint (see _check_all_loaded)."""
@@ -351,9 +355,11 @@ def _checked_loader(layer, loader):
             where += f" (shard {args[0]})"
         got = f"{tuple(loaded_weight.shape)} {str(loaded_weight.dtype).replace('torch.', '')}"
         want = f"{tuple(param.shape)} {str(param.dtype).replace('torch.', '')}"
-        if param.dtype == torch.int32 and loaded_weight.dtype != torch.int32:
+        if param.dtype in _QUANTIZED_DTYPES and loaded_weight.dtype != param.dtype:
             raise QuantWeightError(
-                f"{where}: checkpoint tensor is {got}, expected int32 (packed quantized values)")
+                f"{where}: checkpoint tensor is {got}, expected {_QUANTIZED_DTYPES[param.dtype]}"
+                " (if this layer is not quantized in the checkpoint, the quantization_config "
+                "must list it in its ignore / modules_to_not_convert)")
         try:
             out = loader(param, loaded_weight, *args, **kwargs)
         except (RuntimeError, AssertionError, IndexError, ValueError) as e:

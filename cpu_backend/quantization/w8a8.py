@@ -19,7 +19,9 @@ only `CompressedTensorsW8A8Int8` is swapped for our subclass, which creates the
 same parameters but uses `CpuBackendInt8ScaledMMLinearKernel` (a host
 `Int8ScaledMMLinearKernel`). We do not use `register_linear_kernel(..., "int8")`:
 it appends after the host's CPU kernels, and the chooser takes the first that
-can implement the layer, which is always the host's.
+can implement the layer, which is always the host's. MoE layers of such
+checkpoints get our `w8a8_moe.CpuBackendW8A8MoEMethod` (the host's int8 MoE
+experts need AMX).
 """
 
 from __future__ import annotations
@@ -160,6 +162,9 @@ class CpuBackendW8A8Int8(CompressedTensorsW8A8Int8):
 
     def create_weights(self, layer, output_partition_sizes, input_size_per_partition,
                        params_dtype, weight_loader, **kwargs):
+        from cpu_backend.quantization.config import _checked_loader
+
+        weight_loader = _checked_loader(layer, weight_loader)
         layer.logical_widths = output_partition_sizes
         config = Int8ScaledMMLinearLayerConfig(
             is_channelwise=self.strategy == "channel",
@@ -242,6 +247,14 @@ class CpuBackendCompressedTensorsW8A8Config(CompressedTensorsConfig):
         return scheme
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Any:
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+        if isinstance(layer, RoutedExperts):
+            from cpu_backend.quantization import w8a8_moe
+
+            scheme = w8a8_moe.moe_scheme(self, layer, prefix)
+            if scheme is not None:
+                return w8a8_moe.CpuBackendW8A8MoEMethod(*scheme, layer.moe_config)
         method = super().get_quant_method(layer, prefix)
         if type(method) is CompressedTensorsLinearMethod and isinstance(
                 getattr(layer, "scheme", None), CpuBackendW8A8Int8):

@@ -48,6 +48,9 @@ GROUP_SIZES = (-1, 32, 64, 128)
 # MoE routers ([experts x hidden]) stay in full precision, as AutoGPTQ,
 # AutoAWQ and llm-compressor leave them; vLLM builds them unquantized.
 ROUTER_WEIGHT = re.compile(r"\.(gate|shared_expert_gate)\.weight$")
+# compressed-tensors configs name them in "ignore" (llm-compressor's MoE
+# recipes do): vLLM passes the quant config to some routers (Qwen3-MoE).
+ROUTER_IGNORE = ["re:.*\\.gate$", "re:.*shared_expert_gate$"]
 
 
 def quantized_names(state: dict[str, torch.Tensor]) -> list[str]:
@@ -201,6 +204,7 @@ def quantize_checkpoint(model_dir, out_dir, fmt: str, bits: int, group_size: int
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in out.items()}, out_dir / "model.safetensors",
               metadata={"format": "pt"})
+    ignore = ["lm_head"] + (ROUTER_IGNORE if any(ROUTER_WEIGHT.search(n) for n in state) else [])
     if fmt == "gptq":
         qcfg = {"bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym,
                 "damp_percent": 0.01, "true_sequential": True, "static_groups": False,
@@ -213,7 +217,7 @@ def quantize_checkpoint(model_dir, out_dir, fmt: str, bits: int, group_size: int
                  "output_activations": None, "format": "int-quantized"}
         qcfg = {"quant_method": "compressed-tensors", "format": "int-quantized",
                 "quantization_status": "compressed", "global_compression_ratio": None,
-                "config_groups": {"group_0": group}, "ignore": ["lm_head"],
+                "config_groups": {"group_0": group}, "ignore": ignore,
                 "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
                 "version": "0.17.0"}
     elif fmt == "compressed-tensors":
@@ -228,7 +232,7 @@ def quantize_checkpoint(model_dir, out_dir, fmt: str, bits: int, group_size: int
                                               "input_activations": None,
                                               "output_activations": None,
                                               "format": "pack-quantized"}},
-                "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {},
+                "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {},
                 "transform_config": {}, "version": "0.17.0"}
     else:
         qcfg = {"quant_method": "awq", "zero_point": True, "group_size": group_size, "bits": bits,

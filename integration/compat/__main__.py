@@ -244,7 +244,7 @@ def _write(args, argv, old: dict | None, features: list[str], results: dict) -> 
             c.pop("traceback", None) if c.get("ok") else None
     args_used = argv if argv is not None else sys.argv[1:]
     command = " ".join(["python -m integration.compat", shlex.join(args_used)]).strip()
-    if old and args.merge_from:  # cells of earlier runs: name every run that produced them
+    if old and (args.merge or args.merge_from):  # cells of earlier runs: name every run that produced them
         command = "; ".join([*old.get("commands", [old.get("command")]), *([command] if results else [])])
     data = {
         "command": command,

@@ -31,6 +31,8 @@ from pathlib import Path
 GROUP = 32
 DTYPE = {"w8a8": "bfloat16", "gptq": "bfloat16", "awq": "bfloat16"}
 _SKIP = re.compile(r"(embed|norm|ln_|lm_head|wte|wpe|embed_out|\.gate\.weight$|shared_expert_gate)")
+_ROUTER = re.compile(r"(\.gate|shared_expert_gate)\.weight$")
+ROUTER_IGNORE = ["re:.*\\.gate$", "re:.*shared_expert_gate$"]
 _CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
@@ -41,7 +43,7 @@ def checkpoint(scheme: str, folder: str | Path) -> Path:
 
     folder = Path(folder)
     return models._cached(folder.parent, f"{folder.name}-{scheme}", {"scheme": scheme, "group": GROUP,
-                                                                     "quant_recipe": 2},
+                                                                     "quant_recipe": 3},
                           lambda out: _write(scheme, folder, out, dequantized=False))
 
 
@@ -51,7 +53,7 @@ def reference(scheme: str, folder: str | Path) -> Path:
 
     folder = Path(folder)
     return models._cached(folder.parent, f"{folder.name}-{scheme}-dequant",
-                          {"scheme": scheme, "group": GROUP, "quant_recipe": 2, "dequantized": True},
+                          {"scheme": scheme, "group": GROUP, "quant_recipe": 3, "dequantized": True},
                           lambda out: _write(scheme, folder, out, dequantized=True))
 
 
@@ -97,6 +99,10 @@ def _write(scheme: str, src: Path, out: Path, dequantized: bool) -> None:
     if not dequantized:
         cfg = json.loads((out / "config.json").read_text())
         cfg["quantization_config"] = _quant_config(scheme)
+        if scheme == "w8a8" and any(_ROUTER.search(n) for n in sd):
+            # MoE routers stay bf16: say so, as llm-compressor's MoE recipes do
+            # (the host would otherwise build an int8 router for Qwen3-MoE).
+            cfg["quantization_config"]["ignore"] += ROUTER_IGNORE
         (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
