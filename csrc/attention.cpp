@@ -93,6 +93,14 @@ struct Params {
 constexpr float kLane[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // acc[0:16*CV] = acc * corr + sum_{j<n} p[j] * vf[j][0:16*CV]
+#ifndef CB_DECODE_PF_ROWS
+#define CB_DECODE_PF_ROWS 48
+#endif
+#ifndef CB_DECODE_PF_LOCALITY
+#define CB_DECODE_PF_LOCALITY 2
+#endif
+constexpr int64_t kDecodePrefetchRows = CB_DECODE_PF_ROWS;
+
 template <int CV>
 CB_ALWAYS_INLINE void pv_chunk(float* acc, float corr, const float* p, const float (*vf)[kMaxHeadSize],
                                int64_t n, int64_t c0) {
@@ -144,16 +152,18 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
     n = std::min<int64_t>({16, pos + 1 - t0, (b + 1) * P.block_size - t0});
     const E* rows = kv_cache + int64_t(block_row[b]) * block_stride + kv_head * head_stride +
                     (t0 - b * P.block_size) * token_stride;
-    // The next chunk's rows (usually another block, elsewhere in memory) are
-    // prefetched while this chunk is computed: decode streams many short runs
-    // that the hardware prefetcher picks up too late.
-    if (const int64_t t_next = t0 + n; t_next <= pos) {
-      const int64_t bn = t_next / P.block_size;
-      const int64_t nn = std::min<int64_t>({16, pos + 1 - t_next, (bn + 1) * P.block_size - t_next});
+    // Rows kDecodePrefetchRows ahead (usually another block, elsewhere in
+    // memory) are prefetched into L2 while this chunk is computed: decode
+    // streams many short runs that the hardware prefetcher picks up too late,
+    // and one chunk ahead leaves the memory latency exposed (measured: the
+    // cost per chunk then barely depends on the bytes per row).
+    if (const int64_t t_pf = t0 + kDecodePrefetchRows; t_pf <= pos) {
+      const int64_t bn = t_pf / P.block_size;
+      const int64_t nn = std::min<int64_t>({16, pos + 1 - t_pf, (bn + 1) * P.block_size - t_pf});
       const char* next = reinterpret_cast<const char*>(kv_cache + int64_t(block_row[bn]) * block_stride +
-                                                       kv_head * head_stride + (t_next - bn * P.block_size) * token_stride);
+                                                       kv_head * head_stride + (t_pf - bn * P.block_size) * token_stride);
       const int64_t bytes = nn * token_stride * int64_t(sizeof(E));
-      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off);
+      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off, 0, CB_DECODE_PF_LOCALITY);
     }
     for (int64_t j = 0; j < 16; ++j) {
       if (j >= n) {  // lanes past the chunk: zeros (their scores are masked)

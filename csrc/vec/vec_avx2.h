@@ -33,9 +33,7 @@ struct VecF32x16 {
     return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
   }
   static CB_ALWAYS_INLINE VecF32x16 load(const fp8_e4m3_t* p) {
-    const __m256i b = _mm256_cvtepu8_epi16(load16(p));
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+    const __m256i h = e4m3_as_half(_mm256_cvtepi8_epi16(load16(p)));
     const __m256 k = _mm256_set1_ps(256.0f);
     return {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k),
             _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k)};
@@ -135,6 +133,12 @@ struct VecF32x16 {
 
  private:
   static CB_ALWAYS_INLINE __m128i load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  // 16 e4m3 bytes, sign-extended to 16 bits, as halves worth 2^-8 of their
+  // value (vec_common.h to_f32): << 7 puts exponent and mantissa in place and
+  // the sign in bit 15; bit 14, a copy of the sign, is cleared.
+  static CB_ALWAYS_INLINE __m256i e4m3_as_half(__m256i b) {
+    return _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(int16_t(0xbfff)));
+  }
   static CB_ALWAYS_INLINE __m256 pow2i(__m256i n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
   }

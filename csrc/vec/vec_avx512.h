@@ -30,9 +30,7 @@ struct VecF32x16 {
     return {_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(load16(p)), 8))};
   }
   static CB_ALWAYS_INLINE VecF32x16 load(const fp8_e4m3_t* p) {
-    const __m256i b = _mm256_cvtepu8_epi16(load16(p));
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+    const __m256i h = e4m3_as_half(_mm256_cvtepi8_epi16(load16(p)));
     return {_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f))};
   }
   static CB_ALWAYS_INLINE VecF32x16 load(const int8_t* p) {
@@ -106,6 +104,12 @@ struct VecF32x16 {
 
  private:
   static CB_ALWAYS_INLINE __m128i load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  // 16 e4m3 bytes, sign-extended to 16 bits, as halves worth 2^-8 of their
+  // value (vec_common.h to_f32): << 7 puts exponent and mantissa in place and
+  // the sign in bit 15; bit 14, a copy of the sign, is cleared.
+  static CB_ALWAYS_INLINE __m256i e4m3_as_half(__m256i b) {
+    return _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(int16_t(0xbfff)));
+  }
   static CB_ALWAYS_INLINE __mmask16 mask(int n) { return __mmask16((1u << n) - 1u); }
   // Round to nearest even in integer arithmetic (same bits as the portable
   // path, subnormals kept), NaN -> quiet NaN.
