@@ -39,6 +39,23 @@ from cpu_backend.quantization import formats
 from cpu_backend.quantization.config import QuantConfigError
 
 
+def install_experts(method: FusedMoEMethodBase, layer, experts_cls, num_experts: int, n13: int,
+                    n2: int, packs: tuple) -> None:
+    """Once `method` has converted its experts' weights into `packs` (and deleted
+    the checkpoint tensors): placeholder w13/w2 (the modular kernel reads the
+    expert count from their first dim) and the modular kernel running
+    `experts_cls`, which holds the packs and the output sizes."""
+    layer.register_buffer("w13_weight", torch.empty(num_experts, 0, 0), persistent=False)
+    layer.register_buffer("w2_weight", torch.empty(num_experts, 0, 0), persistent=False)
+    method.moe_quant_config = method.get_fused_moe_quant_config(layer)
+    method.moe_kernel = make_unquantized_moe_kernel(
+        quant_config=method.moe_quant_config, moe_config=method.moe,
+        backend=UnquantizedMoeBackend.CPU, experts_cls=experts_cls,
+        routing_tables=layer._expert_routing_tables())
+    experts = method.moe_kernel.fused_experts
+    experts.n13, experts.n2, experts.packs = n13, n2, packs
+
+
 def _specs(fmt: str, n: int, k: int, groups: int, pf: int, sym: bool) -> dict:
     """Per-expert checkpoint tensors: name -> (shape, dim kinds, dtype).
     Kinds: "n"/"k" output/input, "n/pf", "k/pf" packed, "g" groups of k."""
@@ -201,17 +218,8 @@ class CpuBackendWNA16MoEMethod(FusedMoEMethodBase):
         for name in [n for n, _ in layer.named_parameters(recurse=False)
                      if n.startswith(("w13_", "w2_"))]:
             delattr(layer, name)
-        # The modular kernel reads the expert count from w1/w2's first dim.
-        layer.register_buffer("w13_weight", torch.empty(self.num_experts, 0, 0), persistent=False)
-        layer.register_buffer("w2_weight", torch.empty(self.num_experts, 0, 0), persistent=False)
-        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
-        self.moe_kernel = make_unquantized_moe_kernel(
-            quant_config=self.moe_quant_config, moe_config=self.moe,
-            backend=UnquantizedMoeBackend.CPU, experts_cls=CpuBackendWNA16MoEExperts,
-            routing_tables=layer._expert_routing_tables())
-        experts = self.moe_kernel.fused_experts
-        experts.n13, experts.n2 = n13, n2
-        experts.packs = (packs["w13"], packs["w2"], self.quant_config.bits)
+        install_experts(self, layer, CpuBackendWNA16MoEExperts, self.num_experts, n13, n2,
+                        (packs["w13"], packs["w2"], self.quant_config.bits))
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         return self.moe_kernel.apply(

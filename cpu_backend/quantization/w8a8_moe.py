@@ -25,10 +25,6 @@ import inspect
 import torch
 from compressed_tensors.quantization import QuantizationStrategy
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
-from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
-    UnquantizedMoeBackend,
-    make_unquantized_moe_kernel,
-)
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (  # noqa: E501
     CompressedTensorsMoEMethod,
 )
@@ -38,6 +34,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 
 from cpu_backend.ops.moe_layers import _ACTIVATIONS, CpuBackendMoEExperts
 from cpu_backend.quantization.config import QuantConfigError
+from cpu_backend.quantization.moe import install_experts
 from cpu_backend.quantization.w8a8 import kernel_layout
 
 
@@ -118,17 +115,8 @@ class CpuBackendW8A8MoEMethod(CompressedTensorsW8A8Int8MoEMethod):
                                 layer.w2_weight.shape[1])
         for name in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
             delattr(layer, name)
-        # The modular kernel reads the expert count from w1/w2's first dim.
-        layer.register_buffer("w13_weight", torch.empty(num_experts, 0, 0), persistent=False)
-        layer.register_buffer("w2_weight", torch.empty(num_experts, 0, 0), persistent=False)
-        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
-        self.moe_kernel = make_unquantized_moe_kernel(
-            quant_config=self.moe_quant_config, moe_config=self.moe,
-            backend=UnquantizedMoeBackend.CPU, experts_cls=CpuBackendW8A8MoEExperts,
-            routing_tables=layer._expert_routing_tables())
-        experts = self.moe_kernel.fused_experts
-        experts.n13, experts.n2 = n13, n2
-        experts.packs = (packs["w13"], packs["w2"], bool(self.input_quant.symmetric))
+        install_experts(self, layer, CpuBackendW8A8MoEExperts, num_experts, n13, n2,
+                        (packs["w13"], packs["w2"], bool(self.input_quant.symmetric)))
 
     def get_fused_moe_quant_config(self, layer) -> FusedMoEQuantConfig:
         # Activations enter unquantized: each expert GEMM quantizes its own rows.

@@ -31,8 +31,6 @@ from pathlib import Path
 GROUP = 32
 DTYPE = {"w8a8": "bfloat16", "gptq": "bfloat16", "awq": "bfloat16"}
 _SKIP = re.compile(r"(embed|norm|ln_|lm_head|wte|wpe|embed_out|\.gate\.weight$|shared_expert_gate)")
-_ROUTER = re.compile(r"(\.gate|shared_expert_gate)\.weight$")
-ROUTER_IGNORE = ["re:.*\\.gate$", "re:.*shared_expert_gate$"]
 _CONV1D = re.compile(r"\.(c_attn|c_proj|c_fc)\.weight$")
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
@@ -64,6 +62,8 @@ def _quantizable(name: str, t) -> bool:
 def _write(scheme: str, src: Path, out: Path, dequantized: bool) -> None:
     import torch
     from safetensors.torch import load_file, save_file
+
+    from cpu_backend.tools.quantize import ROUTER_IGNORE, ROUTER_WEIGHT
 
     for item in src.iterdir():
         if item.is_file() and not item.name.endswith(".safetensors") and not item.name.startswith("."):
@@ -99,7 +99,7 @@ def _write(scheme: str, src: Path, out: Path, dequantized: bool) -> None:
     if not dequantized:
         cfg = json.loads((out / "config.json").read_text())
         cfg["quantization_config"] = _quant_config(scheme)
-        if scheme == "w8a8" and any(_ROUTER.search(n) for n in sd):
+        if scheme == "w8a8" and any(ROUTER_WEIGHT.search(n) for n in sd):
             # MoE routers stay bf16: say so, as llm-compressor's MoE recipes do
             # (the host would otherwise build an int8 router for Qwen3-MoE).
             cfg["quantization_config"]["ignore"] += ROUTER_IGNORE
