@@ -80,11 +80,24 @@ def _specs(fmt: str, n: int, k: int, groups: int, pf: int, sym: bool) -> dict:
     return specs
 
 
-class CpuBackendWNA16MoEExperts(CpuBackendMoEExperts):
-    """Grouped experts whose projections run on cpu_backend::wna16_linear."""
+class ConvertedMoEExperts(CpuBackendMoEExperts):
+    """Experts whose weights their MoE method converted at load; `install_experts`
+    gives them `packs`, `n13` and `n2`, so there is nothing left to load here."""
 
-    def process_weights_after_loading(self, layer):  # the method converts the weights
+    def process_weights_after_loading(self, layer):
         pass
+
+    @staticmethod
+    def require_supported(moe, where: str) -> None:
+        """QuantConfigError `where: reason` for a layer our experts cannot run."""
+        supported, reason = CpuBackendMoEExperts.is_supported_config(
+            CpuBackendMoEExperts, moe, None, None, CpuBackendMoEExperts.activation_format())
+        if not supported:
+            raise QuantConfigError(f"{where}: {reason}")
+
+
+class CpuBackendWNA16MoEExperts(ConvertedMoEExperts):
+    """Grouped experts whose projections run on cpu_backend::wna16_linear."""
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
@@ -109,11 +122,7 @@ class CpuBackendWNA16MoEMethod(FusedMoEMethodBase):
     def __init__(self, quant_config, moe):
         super().__init__(moe)
         self.quant_config = quant_config
-        supported, reason = CpuBackendMoEExperts.is_supported_config(
-            CpuBackendMoEExperts, moe, None, None,
-            CpuBackendMoEExperts.activation_format())
-        if not supported:
-            raise QuantConfigError(f"{type(quant_config).__name__}: MoE layer: {reason}")
+        ConvertedMoEExperts.require_supported(moe, f"{type(quant_config).__name__}: MoE layer")
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
                        params_dtype, **extra_weight_attrs):

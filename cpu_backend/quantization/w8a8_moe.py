@@ -32,9 +32,9 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
     CompressedTensorsW8A8Int8MoEMethod,
 )
 
-from cpu_backend.ops.moe_layers import _ACTIVATIONS, CpuBackendMoEExperts
+from cpu_backend.ops.moe_layers import _ACTIVATIONS
 from cpu_backend.quantization.config import QuantConfigError
-from cpu_backend.quantization.moe import install_experts
+from cpu_backend.quantization.moe import ConvertedMoEExperts, install_experts
 from cpu_backend.quantization.w8a8 import kernel_layout
 
 
@@ -65,11 +65,8 @@ def moe_scheme(config, layer, prefix: str) -> tuple | None:
     return weight_quant, input_quant
 
 
-class CpuBackendW8A8MoEExperts(CpuBackendMoEExperts):
+class CpuBackendW8A8MoEExperts(ConvertedMoEExperts):
     """Grouped experts whose projections run on cpu_backend::w8a8_linear."""
-
-    def process_weights_after_loading(self, layer):  # the method converts the weights
-        pass
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
               global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
@@ -98,10 +95,7 @@ class CpuBackendW8A8MoEMethod(CompressedTensorsW8A8Int8MoEMethod):
                 "compressed-tensors W8A8 MoE layer: config_groups weights.strategy must be "
                 f"'channel' and input_activations.strategy 'token', got "
                 f"{weight_quant.strategy!r} / {input_quant.strategy!r}")
-        supported, reason = CpuBackendMoEExperts.is_supported_config(
-            CpuBackendMoEExperts, moe, None, None, CpuBackendMoEExperts.activation_format())
-        if not supported:
-            raise QuantConfigError(f"compressed-tensors W8A8 MoE layer: {reason}")
+        ConvertedMoEExperts.require_supported(moe, "compressed-tensors W8A8 MoE layer")
 
     def process_weights_after_loading(self, layer):
         from cpu_backend.ops import load
