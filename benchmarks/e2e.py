@@ -425,7 +425,8 @@ def write_report(state: dict, quick: bool) -> None:
             if e:
                 extra.append(f"{BACKENDS[b][0]}: compilation mode {e.get('compilation_mode')}, "
                              f"max_num_seqs {e.get('max_num_seqs')}, max_num_batched_tokens "
-                             f"{e.get('max_num_batched_tokens')}, max_model_len {e.get('max_model_len')}")
+                             f"{e.get('max_num_batched_tokens')}, max_model_len {e.get('max_model_len')}, "
+                             f"async scheduling {e.get('async_scheduling')}")
         if extra:
             L.append("\nEngine settings: " + "; ".join(extra) + ".")
         L.append("")

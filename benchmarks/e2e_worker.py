@@ -53,6 +53,7 @@ def _engine_info(llm) -> dict:
         info["compilation_mode"] = getattr(mode, "name", str(mode))
         info["enforce_eager"] = bool(cfg.model_config.enforce_eager)
         info["max_num_seqs"] = cfg.scheduler_config.max_num_seqs
+        info["async_scheduling"] = bool(cfg.scheduler_config.async_scheduling)
         info["max_num_batched_tokens"] = cfg.scheduler_config.max_num_batched_tokens
         info["max_model_len"] = cfg.model_config.max_model_len
         info["model_dtype"] = str(cfg.model_config.dtype)

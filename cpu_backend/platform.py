@@ -15,7 +15,12 @@ platform's own hooks, exactly what we own:
 - defaults: eager execution (torch.compile costs ~1 min of start-up on a CPU
   and is opt-in with `--compilation-config '{"mode": 3}'`), a smaller KV block
   and (in the worker) a KV-cache size that does not refuse to start on a
-  busy machine.
+  busy machine;
+- async scheduling as vLLM decides it (on unless the user or an incompatible
+  option turns it off): the host switches it off on CPU, but with its CPU
+  worker's stream/event stand-ins it works there, and it overlaps the engine's
+  scheduling and output handling with the worker's forward pass (batch-1
+  decode ~15% faster here, same tokens).
 """
 
 from __future__ import annotations
@@ -157,7 +162,10 @@ class CpuBackendPlatform(CpuPlatform):
 
         cache_config = vllm_config.cache_config
         user_block_size = cache_config.user_specified_block_size
+        # vLLM has already resolved the user's flag and its incompatibilities.
+        async_scheduling = vllm_config.scheduler_config.async_scheduling
         super().check_and_update_config(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = async_scheduling
         model_config = vllm_config.model_config
         uses_mla = model_config is not None and model_config.use_mla
         if not user_block_size and not uses_mla:
@@ -280,7 +288,7 @@ def _log_choice_once(vllm_config: VllmConfig) -> None:
     _start_up_hints()
     logger.info(
         "cpu_backend: platform=%s attention=%s worker=%s isa=%s kernels=native "
-        "(linear, attention, rms_norm) block_size=%d compile_mode=%s",
+        "(linear, attention, rms_norm) block_size=%d compile_mode=%s async_scheduling=%s",
         CpuBackendPlatform.__name__,
         ATTENTION_BACKEND_NAME,
         vllm_config.parallel_config.worker_cls.rsplit(".", 1)[-1],
@@ -289,6 +297,7 @@ def _log_choice_once(vllm_config: VllmConfig) -> None:
         vllm_config.compilation_config.mode.name
         if vllm_config.compilation_config.mode is not None
         else "default",
+        vllm_config.scheduler_config.async_scheduling,
     )
 
 

@@ -42,6 +42,9 @@ def test_our_worker_runner_and_attention_ran(llm):
     rep = report(llm)
     assert rep["worker"] == "CpuBackendWorker"
     assert rep["model_runner"] == "CpuBackendModelRunner"
+    # vLLM's default, kept by our platform: the checks against transformers
+    # in this file run with it.
+    assert rep["async_scheduling"] is True
     assert rep["attention_backends"] == ["CPU_BACKEND_ATTN"]
     assert rep["attention_impls"] == ["CpuBackendAttentionImpl"]
     # Our native kernels ran: attention and every linear layer (and the LM head).

@@ -19,14 +19,19 @@ def test_good_config_gets_our_worker_and_defaults(llama_config_dir, monkeypatch)
     assert cfg.cache_config.block_size == 64
     assert cfg.cache_config.kv_cache_memory_bytes == 2 << 30
     assert cfg.compilation_config.mode.name == "NONE"
+    # vLLM's default, which the host turns off on CPU.
+    assert cfg.scheduler_config.async_scheduling is True
 
 
 def test_user_choices_are_kept(llama_config_dir, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")  # 0 = automatic
-    cfg = build_config(llama_config_dir(), block_size=32, compilation_config={"mode": 3})
+    cfg = build_config(
+        llama_config_dir(), block_size=32, compilation_config={"mode": 3}, async_scheduling=False
+    )
     assert cfg.cache_config.block_size == 32
     assert cfg.compilation_config.mode.name != "NONE"
     assert cfg.cache_config.kv_cache_memory_bytes != 0
+    assert cfg.scheduler_config.async_scheduling is False
 
 
 @pytest.mark.parametrize(

@@ -158,6 +158,7 @@ class CpuBackendWorker(CPUWorker):
             "torch_threads": torch.get_num_threads(),
             "communicator": _tp_communicator_name(),
             "model_runner": type(self.model_runner).__qualname__,
+            "async_scheduling": bool(getattr(self.model_runner, "use_async_scheduling", False)),
             "attention_backends": sorted(
                 {layer.attn_backend.get_name() for layer in layers.values()}
             ),
