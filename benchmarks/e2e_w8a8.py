@@ -80,11 +80,11 @@ def main() -> None:
     p.add_argument("--worker")
     p.add_argument("--ours", type=int, default=1)
     a = p.parse_args()
-    host_env = {}
+    isa_env = {}
     if a.avx2_emulation:
         from benchmarks.e2e import AVX2_ENV_ALL
 
-        host_env = dict(AVX2_ENV_ALL)
+        isa_env = dict(AVX2_ENV_ALL)
         a.isa = a.isa or "avx2"
     if a.worker:
         print("RESULT " + json.dumps(worker(a.worker, a.prompts, a.prompt_len, a.tokens, a.repeat,
@@ -104,7 +104,7 @@ def main() -> None:
     variants = (("bf16, our plugin", bf16, True), ("W8A8, our plugin", w8a8, True),
                 ("W8A8, host alone (VLLM_PLUGINS=none)", w8a8, False))
     for name, model, ours in variants:
-        env = {**os.environ, **host_env, "PYTHONPATH": str(REPO)}
+        env = {**os.environ, **isa_env, "PYTHONPATH": str(REPO)}
         if a.isa:
             env["VLLM_CPU_BACKEND_ISA"] = a.isa
         if not ours:
@@ -123,8 +123,8 @@ def main() -> None:
     base = rows[0][1]["gen_tok_s"]
     text = ["# 64-prompt throughput: W8A8 INT8 vs bf16 (Qwen2.5-0.5B shape)", "",
             f"Our kernel library: {rows[0][1].get('isa')}; "
-            + (f"AVX2 emulation for every variant ({' '.join(f'{k}={v}' for k, v in host_env.items())}); "
-               if host_env else "native ISA for every variant (the host's oneDNN picks its own); ")
+            + (f"AVX2 emulation for every variant ({' '.join(f'{k}={v}' for k, v in isa_env.items())}); "
+               if isa_env else "native ISA for every variant (the host's oneDNN picks its own); ")
             + f"{a.prompts} prompts x {a.prompt_len} tokens, {a.tokens} generated each, median of "
             f"{a.repeat}; async scheduling as each backend defaults. Command: "
             f"`python -m benchmarks.e2e_w8a8 {' '.join(sys.argv[1:])}`.", "",
