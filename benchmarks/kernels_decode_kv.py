@@ -1,11 +1,13 @@
 """Microbenchmark: decode attention over a long paged KV cache, per KV-cache dtype.
 
     .venv/bin/python benchmarks/kernels_decode_kv.py [--threads 2] [--seqs 16] [--context 2048]
-        [--dtypes auto,fp8_e5m2,int8_per_token_head] [--library /path/to/_kernels_avx512.so]
+        [--block-size 64] [--dtypes auto,fp8_e5m2,int8_per_token_head]
+        [--library /path/to/_kernels_avx512.so]
 
 One layer of SmolLM2-135M's shape (9 query / 3 kv heads, head size 64), `--seqs`
 sequences with `--context` cached tokens each and one new query token each,
-16-token blocks, bf16 queries. Calls rotate over `--layers` caches (default 8,
+blocks of `--block-size` tokens (64, the engine's default) in a random order,
+bf16 queries. Calls rotate over `--layers` caches (default 8,
 ~200 MB in bf16 at the defaults) so that, as in an engine whose 30 layers'
 caches are far larger than the L3, the cache is read from memory and not
 from L3. Prints the median ms per call, the cache bytes read per call and the
@@ -26,6 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--dtypes", default="auto,fp8_e5m2,int8_per_token_head")
     ap.add_argument("--library", help="a kernels .so to load instead of cpu_backend's own")
     ap.add_argument("--calls", type=int, default=20)
@@ -43,7 +46,7 @@ def main(argv=None) -> int:
         from cpu_backend.ops import load
 
         load()
-    heads, kv_heads, head_size, block = 9, 3, 64, 16
+    heads, kv_heads, head_size, block = 9, 3, 64, args.block_size
     blocks_per_seq = -(-args.context // block)
     num_blocks = args.seqs * blocks_per_seq
     gen = torch.Generator().manual_seed(0)
@@ -52,7 +55,7 @@ def main(argv=None) -> int:
     token_pos = torch.full((args.seqs,), args.context - 1, dtype=torch.int32)
     query = torch.randn(args.seqs, heads, head_size, generator=gen).to(torch.bfloat16)
     out = torch.empty_like(query)
-    print(f"decode attention, {args.seqs} x {args.context} cached tokens, {args.threads} threads, "
+    print(f"decode attention, {args.seqs} x {args.context} cached tokens, {block}-token blocks, {args.threads} threads, "
           f"library {args.library or 'cpu_backend'}")
     for name in args.dtypes.split(","):
         handler = handler_for(name)

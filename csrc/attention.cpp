@@ -47,6 +47,7 @@
 #include "kv_format.h"
 #include "ops.h"
 #include "vec/vec.h"
+#include "vec/vec_i16dot.h"
 
 namespace cpu_backend {
 namespace {
@@ -81,18 +82,31 @@ struct Params {
 };
 
 // ---------------------------------------------------------------------------
-// One query token (decode). Keys and values are read in chunks of up to 16
-// rows of one block and widened to fp32 once per chunk; every GQA head then
-// reuses them from L1. A head's 16 scores are 16 partial dot-product vectors
-// summed across lanes together (reduce_add16, a transpose-and-add tree: a few
-// ops per score instead of a horizontal sum each), so masking, softcap, ALiBi
-// and the exp run 16 scores at a time. The softmax is online per chunk, and
-// the accumulator update keeps kPvVecs output vectors in registers across
-// the chunk's rows.
+// One query token (decode): one work item is the token's G query heads that
+// share a kv head, so every key and value row read is widened to fp32 once,
+// in registers, and used by all G heads (no fp32 copy of the rows). Rows are
+// taken in chunks of up to 16 of one block. A head's 16 scores are 16 partial
+// dot-product vectors summed across lanes together (reduce_add16, a
+// transpose-and-add tree), so masking, softcap, ALiBi and the exp run 16
+// scores at a time; the online-softmax corrections of all G heads are one
+// vector exp. The value pass keeps a block of (heads x output vectors)
+// accumulators in registers across the chunk's rows, so each widened value
+// vector feeds several heads. NV = head_size / 16 as a constant (rows fully
+// unrolled) for the common head sizes, or 0 for any other.
 
 constexpr float kLane[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static_assert(kMaxGroup == 16, "decode keeps one value per head in one VecF32x16");
 
-// acc[0:16*CV] = acc * corr + sum_{j<n} p[j] * vf[j][0:16*CV]
+// Value-pass register block: up to kDecodeAccs accumulators, output vectors
+// per block up to kDecodeCols, heads per block up to 4.
+#if defined(CPU_BACKEND_ISA_AVX512)
+constexpr int kDecodeAccs = 16, kDecodeCols = 8;
+#elif defined(CPU_BACKEND_ISA_AVX2)
+constexpr int kDecodeAccs = 6, kDecodeCols = 2;
+#else
+constexpr int kDecodeAccs = 8, kDecodeCols = 2;
+#endif
+
 #ifndef CB_DECODE_PF_ROWS
 #define CB_DECODE_PF_ROWS 48
 #endif
@@ -101,25 +115,80 @@ constexpr float kLane[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 1
 #endif
 constexpr int64_t kDecodePrefetchRows = CB_DECODE_PF_ROWS;
 
-template <int CV>
-CB_ALWAYS_INLINE void pv_chunk(float* acc, float corr, const float* p, const float (*vf)[kMaxHeadSize],
-                               int64_t n, int64_t c0) {
-  VecF32x16 a[CV];
-  const VecF32x16 c = VecF32x16::broadcast(corr);
-  CB_UNROLL for (int v = 0; v < CV; ++v) a[v] = VecF32x16::load(acc + 16 * v) * c;
-  for (int64_t j = 0; j < n; ++j) {
-    const VecF32x16 pj = VecF32x16::broadcast(p[j]);
-    CB_UNROLL for (int v = 0; v < CV; ++v) a[v] = fma(pj, VecF32x16::load(vf[j] + 16 * (c0 + v)), a[v]);
+// acc[h][c0*16 ..] = acc[h][..] * corr[h] + sum_{j<n} probs[h][j] * value_j[c0*16 ..], h < GB.
+template <int GB, int CV, typename E>
+CB_ALWAYS_INLINE void decode_pv_block(float (*acc)[kMaxHeadSize], const float* corr, const float (*probs)[16],
+                                      const E* values, int64_t token_stride, int64_t n, int64_t c0) {
+  using V = VecF32x16;
+  V a[GB][CV];
+  CB_UNROLL for (int h = 0; h < GB; ++h) {
+    const V c = V::broadcast(corr[h]);
+    CB_UNROLL for (int v = 0; v < CV; ++v) a[h][v] = V::load(acc[h] + 16 * (c0 + v)) * c;
   }
-  CB_UNROLL for (int v = 0; v < CV; ++v) a[v].store(acc + 16 * v);
+  for (int64_t j = 0; j < n; ++j) {
+    const E* vrow = values + j * token_stride + 16 * c0;
+    CB_UNROLL for (int v = 0; v < CV; ++v) {
+      const V x = V::load(vrow + 16 * v);
+      CB_UNROLL for (int h = 0; h < GB; ++h) a[h][v] = fma(V::broadcast(probs[h][j]), x, a[h][v]);
+    }
+  }
+  CB_UNROLL for (int h = 0; h < GB; ++h) CB_UNROLL for (int v = 0; v < CV; ++v) a[h][v].store(acc[h] + 16 * (c0 + v));
 }
 
-template <typename T, typename KV>
+// Output vectors c0 .. c0+CV-1 of heads 0 .. G-1, in blocks of up to GBMAX heads.
+template <int CV, typename E>
+CB_ALWAYS_INLINE void decode_pv_cols(float (*acc)[kMaxHeadSize], const float* corr, const float (*probs)[16],
+                                     const E* values, int64_t token_stride, int64_t n, int64_t c0, int64_t G) {
+  constexpr int GBMAX = std::max(1, std::min(4, kDecodeAccs / CV));
+  for (int64_t g = 0; g < G; g += GBMAX) {
+    switch (std::min<int64_t>(GBMAX, G - g)) {
+      case 1: decode_pv_block<1, CV>(acc + g, corr + g, probs + g, values, token_stride, n, c0); break;
+      case 2: decode_pv_block<std::min(2, GBMAX), CV>(acc + g, corr + g, probs + g, values, token_stride, n, c0); break;
+      case 3: decode_pv_block<std::min(3, GBMAX), CV>(acc + g, corr + g, probs + g, values, token_stride, n, c0); break;
+      default: decode_pv_block<GBMAX, CV>(acc + g, corr + g, probs + g, values, token_stride, n, c0); break;
+    }
+  }
+}
+
+// part[g][j] = 16 partial sums of key row . query of head g, g < G: the row
+// widened once, in registers, for all heads.
+template <int NV, typename E>
+CB_ALWAYS_INLINE void decode_scores(const E* row, const float (*qs)[kMaxHeadSize], int64_t G, int64_t nv,
+                                    VecF32x16 (*part)[16], int64_t j) {
+  using V = VecF32x16;
+  V k[NV > 0 ? NV : kMaxHeadSize / 16];
+  CB_UNROLL for (int64_t i = 0; i < nv; ++i) k[i] = V::load(row + 16 * i);
+  for (int64_t g = 0; g < G; ++g) {
+    V s0 = V::load(qs[g]) * k[0], s1 = V::zero();
+    CB_UNROLL for (int64_t i = 1; i + 1 < nv; i += 2) {
+      s1 = fma(V::load(qs[g] + 16 * i), k[i], s1);
+      s0 = fma(V::load(qs[g] + 16 * (i + 1)), k[i + 1], s0);
+    }
+    if (nv % 2 == 0) s1 = fma(V::load(qs[g] + 16 * (nv - 1)), k[nv - 1], s1);
+    part[g][j] = s0 + s1;
+  }
+}
+
+// The same for an int8 key row and int16 queries (nv even), in units of q_step x key scale.
+template <int NV>
+CB_ALWAYS_INLINE void decode_scores_i16(const int8_t* row, const int16_t (*qi)[kMaxHeadSize], int64_t G,
+                                        int64_t nv, VecF32x16 (*part)[16], int64_t j) {
+  VecI16x32 k[NV > 0 ? (NV + 1) / 2 : kMaxHeadSize / 32];
+  CB_UNROLL for (int64_t i = 0; i < nv / 2; ++i) k[i] = VecI16x32::load(row + 32 * i);
+  for (int64_t g = 0; g < G; ++g) {
+    VecI32x16 s = VecI32x16::zero();
+    CB_UNROLL for (int64_t i = 0; i < nv / 2; ++i) s = dot2(s, VecI16x32::load(qi[g] + 32 * i), k[i]);
+    part[g][j] = to_f32(s);
+  }
+}
+
+template <typename T, typename KV, int NV>
 void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache,
                   const int32_t* block_row, int64_t pos, int64_t kv_head, T* out) {
   using E = typename KV::elem;
   using V = VecF32x16;
-  const int64_t D = P.head_size, G = P.num_heads / P.num_kv_heads, NV = D / 16;
+  constexpr int kNvMax = NV > 0 ? NV : kMaxHeadSize / 16;
+  const int64_t D = P.head_size, G = P.num_heads / P.num_kv_heads, nv = NV > 0 ? NV : D / 16;
   const int64_t first_head = kv_head * G;
   const int64_t start = P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : 0;
   const int64_t token_stride = KV::row_elems(D);
@@ -128,21 +197,41 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
 
   alignas(64) float qs[kMaxGroup][kMaxHeadSize];
   alignas(64) float acc[kMaxGroup][kMaxHeadSize];
-  alignas(64) float kf[16][kMaxHeadSize];
-  alignas(64) float vf[16][kMaxHeadSize];
-  alignas(64) float probs[16];
-  alignas(64) float key_scales[16], value_scales[16];
-  float running_max[kMaxGroup], running_sum[kMaxGroup];
+  alignas(64) float probs[kMaxGroup][16];
+  V part[kMaxGroup][16];
+  // Per head (lanes >= G stay inert: max 0, sum 0, correction 1).
+  alignas(64) float run_max[kMaxGroup], run_sum[kMaxGroup], new_max[kMaxGroup], tile_sum[kMaxGroup],
+      corr[kMaxGroup];
+  alignas(64) float key_scales[16] = {}, value_scales[16] = {};
 
   const V q_scale = V::broadcast(P.scale * P.k_scale);
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < kMaxGroup; ++g) {
+    run_max[g] = g < G ? kNegInf : 0.f;
+    run_sum[g] = new_max[g] = tile_sum[g] = 0.f;
+    if (g >= G) continue;
     const T* qg = q + (first_head + g) * D;
-    for (int64_t i = 0; i < NV; ++i) {
+    for (int64_t i = 0; i < nv; ++i) {
       (V::load(qg + 16 * i) * q_scale).store(qs[g] + 16 * i);
       V::zero().store(acc[g] + 16 * i);
     }
-    running_max[g] = kNegInf;
-    running_sum[g] = 0.f;
+  }
+  // int8 keys: each head's query quantized to int16 (step q_step[g], error
+  // ~1.5e-5 of its largest element, far below the keys' own int8 error), so
+  // a score is int16 x int8 pair products (vec_i16dot.h): about half the
+  // instructions of widening every key to fp32.
+  constexpr bool kInt8Keys = std::is_same_v<E, int8_t>;
+  const bool int_scores = kInt8Keys && nv % 2 == 0;
+  alignas(64) int16_t qi[kMaxGroup][kInt8Keys ? kMaxHeadSize : 1];
+  alignas(64) float q_step[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    q_step[g] = 1.f;
+    if (!int_scores) continue;
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(qs[g][d]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      qi[g][d] = int16_t(std::clamp(std::nearbyint(qs[g][d] * inv), -32767.f, 32767.f));
+    q_step[g] = amax / 32767.f;
   }
   const V lane = V::load(kLane), neg_inf = V::broadcast(kNegInf), cap = V::broadcast(P.softcap),
           inv_cap = V::broadcast(P.softcap > 0.f ? 1.f / P.softcap : 0.f);
@@ -165,54 +254,73 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
       const int64_t bytes = nn * token_stride * int64_t(sizeof(E));
       for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off, 0, CB_DECODE_PF_LOCALITY);
     }
-    for (int64_t j = 0; j < 16; ++j) {
-      if (j >= n) {  // lanes past the chunk: zeros (their scores are masked)
-        for (int64_t i = 0; i < NV; ++i) V::zero().store(kf[j] + 16 * i);
-        continue;
-      }
+
+    // Scores: each key row widened once, dotted with every head's query.
+    for (int64_t j = 0; j < n; ++j) {
       const E* row = rows + j * token_stride;
-      for (int64_t i = 0; i < NV; ++i) {
-        V::load(row + 16 * i).store(kf[j] + 16 * i);
-        V::load(row + D + 16 * i).store(vf[j] + 16 * i);
+      if constexpr (kInt8Keys) {
+        if (int_scores) {
+          decode_scores_i16<NV>(row, qi, G, nv, part, j);
+        } else {
+          decode_scores<NV>(row, qs, G, nv, part, j);
+        }
+      } else {
+        decode_scores<NV>(row, qs, G, nv, part, j);
       }
       if constexpr (KV::kTokenScales) {
         key_scales[j] = KV::key_scale(row, D);
         value_scales[j] = KV::value_scale(row, D);
       }
     }
+    if (n < 16)  // lanes past the chunk: finite placeholders, masked below
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t j = n; j < 16; ++j) part[g][j] = V::zero();
+
+    // Per head: the 16 scores, rules, this chunk's max and probabilities.
     const V key_pos = lane + V::broadcast(float(t0));
     for (int64_t g = 0; g < G; ++g) {
-      V part[16];
-      for (int j = 0; j < 16; ++j) {
-        V s = V::zero();
-        for (int64_t i = 0; i < NV; ++i) s = fma(V::load(qs[g] + 16 * i), V::load(kf[j] + 16 * i), s);
-        part[j] = s;
-      }
-      V s = reduce_add16(part);
-      if constexpr (KV::kTokenScales) s = s * V::load(key_scales);
+      V s = reduce_add16(part[g]);
+      if constexpr (KV::kTokenScales) s = s * V::load(key_scales) * V::broadcast(q_step[g]);
       if (P.softcap > 0.f) s = cap * tanh(s * inv_cap);
       if (P.alibi) s = fma(V::broadcast(P.alibi[first_head + g]), key_pos - V::broadcast(float(pos)), s);
       if (n < 16) s = select_lt(lane, V::broadcast(float(n)), s, neg_inf);
-      const float new_max = std::max(running_max[g], s.reduce_max());
-      const float corr = std::exp(running_max[g] - new_max);  // exp(-inf) = 0 on the first chunk
-      V p = exp(s - V::broadcast(new_max));
-      running_sum[g] = running_sum[g] * corr + p.reduce_add();
-      running_max[g] = new_max;
+      new_max[g] = std::max(run_max[g], s.reduce_max());
+      V p = exp(s - V::broadcast(new_max[g]));
+      tile_sum[g] = p.reduce_add();
       if constexpr (KV::kTokenScales) p = p * V::load(value_scales);
-      p.store(probs);
-      int64_t c0 = 0;
-      for (; c0 + kPvVecs <= NV; c0 += kPvVecs) pv_chunk<kPvVecs>(acc[g] + 16 * c0, corr, probs, vf, n, c0);
-      for (; c0 < NV; ++c0) pv_chunk<1>(acc[g] + 16 * c0, corr, probs, vf, n, c0);
+      p.store(probs[g]);
     }
+    // Online softmax across chunks, all heads at once (exp(-inf) = 0 on the first chunk).
+    const V c = exp(V::load(run_max) - V::load(new_max));
+    c.store(corr);
+    fma(V::load(run_sum), c, V::load(tile_sum)).store(run_sum);
+    V::load(new_max).store(run_max);
+
+    // Values: acc = acc * corr + probs . V, register-blocked over heads and output vectors.
+    const E* values = rows + D;
+    constexpr int CV = std::min(kNvMax, kDecodeCols);
+    int64_t c0 = 0;
+    for (; c0 + CV <= nv; c0 += CV) decode_pv_cols<CV>(acc, corr, probs, values, token_stride, n, c0, G);
+    for (; c0 < nv; ++c0) decode_pv_cols<1>(acc, corr, probs, values, token_stride, n, c0, G);
   }
 
   for (int64_t g = 0; g < G; ++g) {
-    const V inv = V::broadcast(P.v_scale / running_sum[g]);
+    const V inv = V::broadcast(P.v_scale / run_sum[g]);
     T* og = out + (first_head + g) * D;
-    for (int64_t i = 0; i < NV; ++i) (V::load(acc[g] + 16 * i) * inv).store(og + 16 * i);
+    for (int64_t i = 0; i < nv; ++i) (V::load(acc[g] + 16 * i) * inv).store(og + 16 * i);
   }
 }
 
+// One decode item, with the head size as a constant where it is a common one.
+template <typename T, typename KV>
+void attend_decode(const Params& P, const T* q, const typename KV::elem* kv_cache, const int32_t* block_row,
+                   int64_t pos, int64_t kv_head, T* out) {
+  switch (P.head_size) {
+    case 64: attend_token<T, KV, 4>(P, q, kv_cache, block_row, pos, kv_head, out); break;
+    case 128: attend_token<T, KV, 8>(P, q, kv_cache, block_row, pos, kv_head, out); break;
+    default: attend_token<T, KV, 0>(P, q, kv_cache, block_row, pos, kv_head, out); break;
+  }
+}
 // ---------------------------------------------------------------------------
 // A block of query tokens (prefill): tile GEMMs, softmax across rows.
 
@@ -423,7 +531,7 @@ void run(const Params& P, at::Tensor& out, const at::Tensor& query, const at::Te
       const int64_t t = w.first_token;
       const int32_t* block_row = bt + int64_t(req[t]) * P.bt_stride;
       if (w.num_tokens == 1) {
-        attend_token<T, KV>(P, q + t * q_stride, kv, block_row, pos[t], w.kv_head, o + t * o_stride);
+        attend_decode<T, KV>(P, q + t * q_stride, kv, block_row, pos[t], w.kv_head, o + t * o_stride);
         continue;
       }
       if (!scratch) scratch = std::make_unique<Scratch>(P.head_size);

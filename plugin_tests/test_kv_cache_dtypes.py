@@ -8,7 +8,11 @@ and fp8_per_token_head, with fp32/bf16/fp16 models:
 - native KV write: bytes identical to the reference write (padding skipped);
 - native attention over a quantized cache equals the PyTorch path reading the
   same bytes (tolerances as for float caches: fp32 2e-5, bf16 1.6e-2,
-  fp16 2e-3; both compute in fp32 and differ in summation order only);
+  fp16 2e-3; both compute in fp32 and differ in summation order only;
+  except int8_per_token_head in fp32, 1e-4: the native decode path scores
+  int8 keys against the query rounded to int16, a relative error of
+  1.5e-5 of the query's largest element, ~60x below the keys' own int8
+  rounding; measured worst 6.3e-5, with the outlier channel below);
 - the vector decoders: every non-NaN byte value decodes exactly as torch's
   float8/int8 -> float32 (a one-key attention returns its value row).
 """
@@ -27,6 +31,7 @@ except ImportError:  # run as the worker script
 
 QUANTIZED = ["fp8_e5m2", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head"]
 TOL = {"float32": 2e-5, "bfloat16": 1.6e-2, "float16": 2e-3}
+TOL_INT16_QUERY = {**TOL, "float32": 1e-4}  # int8_per_token_head (see above)
 # head_size, num_heads, num_kv_heads, block_size
 SHAPES = [(64, 9, 3, 64), (80, 8, 1, 16), (128, 16, 2, 16), (256, 4, 1, 32)]
 TENSOR_SCALE = 0.5
@@ -102,7 +107,8 @@ def _attention_failures(handler, gen) -> tuple[list[str], dict]:
                     err = float((out[start : start + n].float() - ref).abs().max())
                     name = str(dtype).removeprefix("torch.")
                     worst[name] = max(worst.get(name, 0.0), err)
-                    if not err <= TOL[name]:
+                    tol = (TOL_INT16_QUERY if handler.name == "int8_per_token_head" else TOL)[name]
+                    if not err <= tol:
                         failures.append(
                             f"attention {handler.name} hs{head_size}/{num_heads}/{num_kv_heads} {name} "
                             f"{variant} req{r}: {err:.3g}"
