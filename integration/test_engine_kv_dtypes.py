@@ -26,9 +26,14 @@ QUANTIZED = ["fp8_e5m2", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head"
 CONTINUATION = 320
 PROMPT = "Once upon a time, there was a little girl named Lily who"
 # Per dtype: (min teacher-forced top-1 agreement, max |logprob diff|).
+# The agreement depends on the reference text, i.e. on the bf16-KV decode's
+# rounding order: two equally exact decode kernels (2026-11-30, before and
+# after the decode rewrite; this path's prefill is the same) gave texts on
+# which e4m3 agrees 97.8% and 95.6% (e5m2 95.9% / 97.2%), so e4m3's bound is
+# e5m2's. A broken format lands far below (a wrong scale: near 0%).
 ACCURACY_BOUNDS = {
     "fp8_e5m2": (0.95, 1.5),
-    "fp8_e4m3": (0.97, 1.0),
+    "fp8_e4m3": (0.95, 1.0),
     "int8_per_token_head": (0.98, 0.5),
     "fp8_per_token_head": (0.97, 1.0),
 }
