@@ -99,12 +99,17 @@ static_assert(kMaxGroup == 16, "decode keeps one value per head in one VecF32x16
 
 // Value-pass register block: up to kDecodeAccs accumulators, output vectors
 // per block up to kDecodeCols, heads per block up to 4.
+// For int8 values (decode_pv_i16_block): heads x 32-column units per block,
+// two VecI32x16 accumulators each.
 #if defined(CPU_BACKEND_ISA_AVX512)
 constexpr int kDecodeAccs = 16, kDecodeCols = 8;
+constexpr int kDecodeI16Heads = 4, kDecodeI16Units = 2;
 #elif defined(CPU_BACKEND_ISA_AVX2)
 constexpr int kDecodeAccs = 6, kDecodeCols = 2;
+constexpr int kDecodeI16Heads = 2, kDecodeI16Units = 1;
 #else
 constexpr int kDecodeAccs = 8, kDecodeCols = 2;
+constexpr int kDecodeI16Heads = 2, kDecodeI16Units = 1;
 #endif
 
 #ifndef CB_DECODE_PF_ROWS
@@ -146,6 +151,59 @@ CB_ALWAYS_INLINE void decode_pv_cols(float (*acc)[kMaxHeadSize], const float* co
       case 2: decode_pv_block<std::min(2, GBMAX), CV>(acc + g, corr + g, probs + g, values, token_stride, n, c0); break;
       case 3: decode_pv_block<std::min(3, GBMAX), CV>(acc + g, corr + g, probs + g, values, token_stride, n, c0); break;
       default: decode_pv_block<GBMAX, CV>(acc + g, corr + g, probs + g, values, token_stride, n, c0); break;
+    }
+  }
+}
+
+// The same for int8 value rows and int16 weights w[h][j] (step[h] each; zero
+// past n): acc[h][32*u0 ..] = acc[h][..] * corr[h] + step[h] * sum_j w[h][j] *
+// value_j[32*u0 ..], NU 32-column units. Rows are taken in pairs, one pair
+// product per column (vec_i16dot.h interleave); an odd last row is paired with
+// itself under the zero weight w[h][n], so nothing past the chunk is read.
+template <int GB, int NU>
+CB_ALWAYS_INLINE void decode_pv_i16_block(float (*acc)[kMaxHeadSize], const float* corr, const float* step,
+                                          const int16_t (*w)[16], const int8_t* values, int64_t token_stride,
+                                          int64_t n, int64_t u0) {
+  using V = VecF32x16;
+  VecI32x16 a[GB][NU][2];
+  CB_UNROLL for (int h = 0; h < GB; ++h) CB_UNROLL for (int u = 0; u < NU; ++u) a[h][u][0] = a[h][u][1] = VecI32x16::zero();
+  for (int64_t j = 0; j < n; j += 2) {
+    const int8_t* r0 = values + j * token_stride + 32 * u0;
+    const int8_t* r1 = j + 1 < n ? r0 + token_stride : r0;
+    CB_UNROLL for (int u = 0; u < NU; ++u) {
+      VecI16x32 p0, p1;
+      interleave(VecI16x32::load(r0 + 32 * u), VecI16x32::load(r1 + 32 * u), p0, p1);
+      CB_UNROLL for (int h = 0; h < GB; ++h) {
+        const VecI16x32 wp = VecI16x32::broadcast_pair(w[h] + j);
+        a[h][u][0] = dot2(a[h][u][0], p0, wp);
+        a[h][u][1] = dot2(a[h][u][1], p1, wp);
+      }
+    }
+  }
+  CB_UNROLL for (int h = 0; h < GB; ++h) {
+    const V c = V::broadcast(corr[h]), s = V::broadcast(step[h]);
+    CB_UNROLL for (int u = 0; u < NU; ++u) {
+      V lo, hi;
+      columns(to_f32(a[h][u][0]), to_f32(a[h][u][1]), lo, hi);
+      float* o = acc[h] + 32 * (u0 + u);
+      fma(lo, s, V::load(o) * c).store(o);
+      fma(hi, s, V::load(o + 16) * c).store(o + 16);
+    }
+  }
+}
+
+// All nu units of heads 0 .. G-1, in blocks of up to kDecodeI16Heads x kDecodeI16Units.
+template <int NU>
+CB_ALWAYS_INLINE void decode_pv_i16_units(float (*acc)[kMaxHeadSize], const float* corr, const float* step,
+                                          const int16_t (*w)[16], const int8_t* values, int64_t token_stride,
+                                          int64_t n, int64_t u0, int64_t G) {
+  constexpr int GBMAX = kDecodeI16Heads;
+  for (int64_t g = 0; g < G; g += GBMAX) {
+    switch (std::min<int64_t>(GBMAX, G - g)) {
+      case 1: decode_pv_i16_block<1, NU>(acc + g, corr + g, step + g, w + g, values, token_stride, n, u0); break;
+      case 2: decode_pv_i16_block<std::min(2, GBMAX), NU>(acc + g, corr + g, step + g, w + g, values, token_stride, n, u0); break;
+      case 3: decode_pv_i16_block<std::min(3, GBMAX), NU>(acc + g, corr + g, step + g, w + g, values, token_stride, n, u0); break;
+      default: decode_pv_i16_block<GBMAX, NU>(acc + g, corr + g, step + g, w + g, values, token_stride, n, u0); break;
     }
   }
 }
@@ -218,14 +276,18 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
   // int8 keys: each head's query quantized to int16 (step q_step[g], error
   // ~1.5e-5 of its largest element, far below the keys' own int8 error), so
   // a score is int16 x int8 pair products (vec_i16dot.h): about half the
-  // instructions of widening every key to fp32.
+  // instructions of widening every key to fp32. int8 values likewise: each
+  // chunk's weights (probability x value scale) are quantized to int16 per
+  // head, step w_step[g] (error <= 1.5e-5 of the chunk's largest weight).
   constexpr bool kInt8Keys = std::is_same_v<E, int8_t>;
-  const bool int_scores = kInt8Keys && nv % 2 == 0;
+  const bool int8_dots = kInt8Keys && nv % 2 == 0;
+  alignas(64) int16_t w16[kMaxGroup][kInt8Keys ? 16 : 1];
+  alignas(64) float w_step[kMaxGroup];
   alignas(64) int16_t qi[kMaxGroup][kInt8Keys ? kMaxHeadSize : 1];
   alignas(64) float q_step[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {
     q_step[g] = 1.f;
-    if (!int_scores) continue;
+    if (!int8_dots) continue;
     float amax = 0.f;
     for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(qs[g][d]));
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
@@ -259,7 +321,7 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
     for (int64_t j = 0; j < n; ++j) {
       const E* row = rows + j * token_stride;
       if constexpr (kInt8Keys) {
-        if (int_scores) {
+        if (int8_dots) {
           decode_scores_i16<NV>(row, qi, G, nv, part, j);
         } else {
           decode_scores<NV>(row, qs, G, nv, part, j);
@@ -288,6 +350,15 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
       V p = exp(s - V::broadcast(new_max[g]));
       tile_sum[g] = p.reduce_add();
       if constexpr (KV::kTokenScales) p = p * V::load(value_scales);
+      if constexpr (kInt8Keys) {
+        if (int8_dots) {
+          // (a chunk whose weights are all below 1e-30 adds nothing: 32767 / w_max must stay finite)
+          const float w_max = p.reduce_max(), inv = w_max > 1e-30f ? 32767.f / w_max : 0.f;
+          w_step[g] = inv > 0.f ? w_max / 32767.f : 0.f;
+          store_i16(p * V::broadcast(inv), w16[g]);
+          continue;
+        }
+      }
       p.store(probs[g]);
     }
     // Online softmax across chunks, all heads at once (exp(-inf) = 0 on the first chunk).
@@ -298,6 +369,15 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
 
     // Values: acc = acc * corr + probs . V, register-blocked over heads and output vectors.
     const E* values = rows + D;
+    if constexpr (kInt8Keys) {
+      if (int8_dots) {
+        constexpr int NU = std::min(std::max(kNvMax / 2, 1), kDecodeI16Units);
+        int64_t u0 = 0;
+        for (; u0 + NU <= nv / 2; u0 += NU) decode_pv_i16_units<NU>(acc, corr, w_step, w16, values, token_stride, n, u0, G);
+        for (; u0 < nv / 2; ++u0) decode_pv_i16_units<1>(acc, corr, w_step, w16, values, token_stride, n, u0, G);
+        continue;
+      }
+    }
     constexpr int CV = std::min(kNvMax, kDecodeCols);
     int64_t c0 = 0;
     for (; c0 + CV <= nv; c0 += CV) decode_pv_cols<CV>(acc, corr, probs, values, token_stride, n, c0, G);
