@@ -133,7 +133,7 @@ CB_ALWAYS_INLINE void decode_pv_block(float (*acc)[kMaxHeadSize], const float* c
   for (int64_t j = 0; j < n; ++j) {
     const E* vrow = values + j * token_stride + 16 * c0;
     CB_UNROLL for (int v = 0; v < CV; ++v) {
-      const V x = V::load(vrow + 16 * v);
+      const V x = V::load_kv(vrow + 16 * v);
       CB_UNROLL for (int h = 0; h < GB; ++h) a[h][v] = fma(V::broadcast(probs[h][j]), x, a[h][v]);
     }
   }
@@ -215,7 +215,7 @@ CB_ALWAYS_INLINE void decode_scores(const E* row, const float (*qs)[kMaxHeadSize
                                     VecF32x16 (*part)[16], int64_t j) {
   using V = VecF32x16;
   V k[NV > 0 ? NV : kMaxHeadSize / 16];
-  CB_UNROLL for (int64_t i = 0; i < nv; ++i) k[i] = V::load(row + 16 * i);
+  CB_UNROLL for (int64_t i = 0; i < nv; ++i) k[i] = V::load_kv(row + 16 * i);
   for (int64_t g = 0; g < G; ++g) {
     V s0 = V::load(qs[g]) * k[0], s1 = V::zero();
     CB_UNROLL for (int64_t i = 1; i + 1 < nv; i += 2) {
@@ -498,8 +498,8 @@ void attend_block(const Params& P, const T* q, int64_t q_stride, const typename 
       for (int64_t j = 0; j < n; ++j) {
         const E* row = block + (t0 + j - b * P.block_size) * token_stride;
         for (int64_t i = 0; i < NV; ++i) {
-          V::load(row + 16 * i).store(kf + j * D + 16 * i);
-          V::load(row + D + 16 * i).store(vf + j * D + 16 * i);
+          V::load_kv(row + 16 * i).store(kf + j * D + 16 * i);
+          V::load_kv(row + D + 16 * i).store(vf + j * D + 16 * i);
         }
         if constexpr (KV::kTokenScales) {
           S.ks[j] = KV::key_scale(row, D);
@@ -591,8 +591,12 @@ std::vector<WorkItem> plan(const Params& P, const int32_t* req, const int32_t* p
 }
 
 template <typename T, typename KV>
-void run(const Params& P, at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+void run(const Params& params, at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
          const at::Tensor& block_table, const at::Tensor& token_req, const at::Tensor& token_pos) {
+  // K/V rows are read in kernel units (V::load_kv); their factor joins the per-tensor scales.
+  Params P = params;
+  P.k_scale *= kKvUnit<typename KV::elem>;
+  P.v_scale *= kKvUnit<typename KV::elem>;
   const T* q = data_as<const T>(query);
   const auto* kv = data_as<const typename KV::elem>(kv_cache);
   T* o = data_as<T>(out);

@@ -33,10 +33,16 @@ struct VecF32x16 {
     return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
   }
   static CB_ALWAYS_INLINE VecF32x16 load(const fp8_e4m3_t* p) {
+    return load_kv(p) * broadcast(kKvUnit<fp8_e4m3_t>);
+  }
+  // KV-cache elements in kernel units (vec_common.h kKvUnit).
+  template <typename T>
+  static CB_ALWAYS_INLINE VecF32x16 load_kv(const T* p) {
+    return load(p);
+  }
+  static CB_ALWAYS_INLINE VecF32x16 load_kv(const fp8_e4m3_t* p) {
     const __m256i h = e4m3_as_half(_mm256_cvtepi8_epi16(load16(p)));
-    const __m256 k = _mm256_set1_ps(256.0f);
-    return {_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), k),
-            _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), k)};
+    return {_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))};
   }
   static CB_ALWAYS_INLINE VecF32x16 load(const int8_t* p) {
     const __m128i b = load16(p);

@@ -30,8 +30,15 @@ struct VecF32x16 {
     return {_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(load16(p)), 8))};
   }
   static CB_ALWAYS_INLINE VecF32x16 load(const fp8_e4m3_t* p) {
-    const __m256i h = e4m3_as_half(_mm256_cvtepi8_epi16(load16(p)));
-    return {_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f))};
+    return {_mm512_mul_ps(load_kv(p).v, _mm512_set1_ps(kKvUnit<fp8_e4m3_t>))};
+  }
+  // KV-cache elements in kernel units (vec_common.h kKvUnit).
+  template <typename T>
+  static CB_ALWAYS_INLINE VecF32x16 load_kv(const T* p) {
+    return load(p);
+  }
+  static CB_ALWAYS_INLINE VecF32x16 load_kv(const fp8_e4m3_t* p) {
+    return {_mm512_cvtph_ps(e4m3_as_half(_mm256_cvtepi8_epi16(load16(p))))};
   }
   static CB_ALWAYS_INLINE VecF32x16 load(const int8_t* p) {
     return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16(p)))};

@@ -89,13 +89,25 @@ static inline fp16_t to_fp16(float f) {
 
 // e5m2 is the top byte of an IEEE half: exact.
 static inline float to_f32(fp8_e5m2_t v) { return to_f32(fp16_t{uint16_t(v.x << 8)}); }
-// e4m3 (bias 7) placed in a half's exponent/mantissa (bias 15) is 2^-8 of the
-// value, subnormals included: exact for every non-NaN byte.
-static inline float to_f32(fp8_e4m3_t v) {
-  return to_f32(fp16_t{uint16_t(((v.x & 0x80u) << 8) | ((v.x & 0x7fu) << 7))}) * 256.0f;
-}
 static inline float to_f32(int8_t v) { return float(v); }
 static inline float to_f32(float v) { return v; }
+// A KV-cache element in the attention kernel's units, value / kKvUnit<E>:
+// e4m3 as its half-precision pattern, 2^-8 of the value, which saves a
+// multiply per vector; the kernel folds kKvUnit<E> into its per-tensor scales.
+template <typename E>
+inline constexpr float kKvUnit = 1.0f;
+template <>
+inline constexpr float kKvUnit<fp8_e4m3_t> = 256.0f;
+template <typename T>
+static inline float to_f32_kv(T v) {
+  return to_f32(v);
+}
+// e4m3 (bias 7) placed in a half's exponent/mantissa (bias 15) is 2^-8 of the
+// value, subnormals included: exact for every non-NaN byte.
+static inline float to_f32_kv(fp8_e4m3_t v) {
+  return to_f32(fp16_t{uint16_t(((v.x & 0x80u) << 8) | ((v.x & 0x7fu) << 7))});
+}
+static inline float to_f32(fp8_e4m3_t v) { return to_f32_kv(v) * kKvUnit<fp8_e4m3_t>; }
 template <typename T>
 static inline T from_f32(float v);
 template <>

@@ -24,6 +24,13 @@ struct VecF32x16 {
     for (int i = 0; i < 16; ++i) r.v[i] = to_f32(p[i]);
     return r;
   }
+  // KV-cache elements in kernel units (vec_common.h kKvUnit).
+  template <typename T>
+  static CB_ALWAYS_INLINE VecF32x16 load_kv(const T* p) {
+    VecF32x16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = to_f32_kv(p[i]);
+    return r;
+  }
   template <typename T>
   static CB_ALWAYS_INLINE VecF32x16 load_partial(const T* p, int n) {
     VecF32x16 r = zero();
