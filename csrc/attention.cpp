@@ -58,6 +58,9 @@ constexpr int kMaxBlockSize = 256;
 constexpr int kMaxRows = 64;  // query rows (tokens x GQA heads) per work item
 constexpr int kTile = 64;     // keys per softmax tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Decode softmax: how far (in logits) a score may exceed the running max
+// before the max is moved (attend_token); probabilities stay below e^8.
+constexpr float kMaxSlack = 8.f;
 
 // Register blocking of the two tile GEMMs, by the ISA's register file
 // (avx512: 32 zmm; avx2: 16 ymm, two per VecF32x16).
@@ -88,8 +91,9 @@ struct Params {
 // taken in chunks of up to 16 of one block. A head's 16 scores are 16 partial
 // dot-product vectors summed across lanes together (reduce_add16, a
 // transpose-and-add tree), so masking, softcap, ALiBi and the exp run 16
-// scores at a time; the online-softmax corrections of all G heads are one
-// vector exp. The value pass keeps a block of (heads x output vectors)
+// scores at a time; the online softmax moves a head's max only when a score
+// exceeds it by more than kMaxSlack, so most chunks need no horizontal max and
+// no rescale. The value pass keeps a block of (heads x output vectors)
 // accumulators in registers across the chunk's rows, so each widened value
 // vector feeds several heads. NV = head_size / 16 as a constant (rows fully
 // unrolled) for the common head sizes, or 0 for any other.
@@ -257,16 +261,16 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
   alignas(64) float acc[kMaxGroup][kMaxHeadSize];
   alignas(64) float probs[kMaxGroup][16];
   V part[kMaxGroup][16];
-  // Per head (lanes >= G stay inert: max 0, sum 0, correction 1).
-  alignas(64) float run_max[kMaxGroup], run_sum[kMaxGroup], new_max[kMaxGroup], tile_sum[kMaxGroup],
-      corr[kMaxGroup];
+  // Per head: the running max, the running sum as 16 lane partial sums, and
+  // this chunk's correction of the earlier sums.
+  alignas(64) float run_max[kMaxGroup], corr[kMaxGroup];
+  V run_sum[kMaxGroup];
   alignas(64) float key_scales[16] = {}, value_scales[16] = {};
 
   const V q_scale = V::broadcast(P.scale * P.k_scale);
-  for (int64_t g = 0; g < kMaxGroup; ++g) {
-    run_max[g] = g < G ? kNegInf : 0.f;
-    run_sum[g] = new_max[g] = tile_sum[g] = 0.f;
-    if (g >= G) continue;
+  for (int64_t g = 0; g < G; ++g) {
+    run_max[g] = kNegInf;
+    run_sum[g] = V::zero();
     const T* qg = q + (first_head + g) * D;
     for (int64_t i = 0; i < nv; ++i) {
       (V::load(qg + 16 * i) * q_scale).store(qs[g] + 16 * i);
@@ -338,7 +342,11 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
       for (int64_t g = 0; g < G; ++g)
         for (int64_t j = n; j < 16; ++j) part[g][j] = V::zero();
 
-    // Per head: the 16 scores, rules, this chunk's max and probabilities.
+    // Per head: the 16 scores, rules and probabilities exp(score - running
+    // max). The running max moves only when a score exceeds it by more than
+    // kMaxSlack (always on the first chunk): then the head's earlier sums are
+    // rescaled by corr. Probabilities stay below e^kMaxSlack, and almost every
+    // chunk skips the horizontal max, the correction's exp and the rescale.
     const V key_pos = lane + V::broadcast(float(t0));
     for (int64_t g = 0; g < G; ++g) {
       V s = reduce_add16(part[g]);
@@ -346,9 +354,15 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
       if (P.softcap > 0.f) s = cap * tanh(s * inv_cap);
       if (P.alibi) s = fma(V::broadcast(P.alibi[first_head + g]), key_pos - V::broadcast(float(pos)), s);
       if (n < 16) s = select_lt(lane, V::broadcast(float(n)), s, neg_inf);
-      new_max[g] = std::max(run_max[g], s.reduce_max());
-      V p = exp(s - V::broadcast(new_max[g]));
-      tile_sum[g] = p.reduce_add();
+      corr[g] = 1.f;
+      if (any_lt(V::broadcast(run_max[g] + kMaxSlack), s)) {
+        const float m = std::max(run_max[g], s.reduce_max());
+        corr[g] = std::exp(run_max[g] - m);
+        run_sum[g] = run_sum[g] * V::broadcast(corr[g]);
+        run_max[g] = m;
+      }
+      V p = exp(s - V::broadcast(run_max[g]));
+      run_sum[g] = run_sum[g] + p;
       if constexpr (KV::kTokenScales) p = p * V::load(value_scales);
       if constexpr (kInt8Keys) {
         if (int8_dots) {
@@ -361,12 +375,6 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
       }
       p.store(probs[g]);
     }
-    // Online softmax across chunks, all heads at once (exp(-inf) = 0 on the first chunk).
-    const V c = exp(V::load(run_max) - V::load(new_max));
-    c.store(corr);
-    fma(V::load(run_sum), c, V::load(tile_sum)).store(run_sum);
-    V::load(new_max).store(run_max);
-
     // Values: acc = acc * corr + probs . V, register-blocked over heads and output vectors.
     const E* values = rows + D;
     if constexpr (kInt8Keys) {
@@ -385,7 +393,7 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
   }
 
   for (int64_t g = 0; g < G; ++g) {
-    const V inv = V::broadcast(P.v_scale / run_sum[g]);
+    const V inv = V::broadcast(P.v_scale / run_sum[g].reduce_add());
     T* og = out + (first_head + g) * D;
     for (int64_t i = 0; i < nv; ++i) (V::load(acc[g] + 16 * i) * inv).store(og + 16 * i);
   }

@@ -102,6 +102,10 @@ struct VecF32x16 {
     return {_mm256_blendv_ps(y.lo, x.lo, _mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ)),
             _mm256_blendv_ps(y.hi, x.hi, _mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ))};
   }
+  // Whether a < b in any lane.
+  friend CB_ALWAYS_INLINE bool any_lt(VecF32x16 a, VecF32x16 b) {
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ))) != 0;
+  }
   // Round to the nearest integer (ties to even), as a float.
   CB_ALWAYS_INLINE VecF32x16 round() const {
     constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;

@@ -92,6 +92,8 @@ struct VecF32x16 {
   friend CB_ALWAYS_INLINE VecF32x16 select_lt(VecF32x16 a, VecF32x16 b, VecF32x16 x, VecF32x16 y) {
     return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ), y.v, x.v)};
   }
+  // Whether a < b in any lane.
+  friend CB_ALWAYS_INLINE bool any_lt(VecF32x16 a, VecF32x16 b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ) != 0; }
   // Round to the nearest integer (ties to even), as a float.
   CB_ALWAYS_INLINE VecF32x16 round() const {
     return {_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};

@@ -91,6 +91,12 @@ struct VecF32x16 {
     for (int i = 0; i < 16; ++i) r.v[i] = a.v[i] < b.v[i] ? x.v[i] : y.v[i];
     return r;
   }
+  // Whether a < b in any lane.
+  friend CB_ALWAYS_INLINE bool any_lt(VecF32x16 a, VecF32x16 b) {
+    bool r = false;
+    for (int i = 0; i < 16; ++i) r |= a.v[i] < b.v[i];
+    return r;
+  }
   // Round to the nearest integer (ties to even in the default rounding mode).
   CB_ALWAYS_INLINE VecF32x16 round() const {
     VecF32x16 r;
