@@ -13,7 +13,8 @@ that second pass is almost all decode over the long cached context
 to bf16 KV ("auto"), prefill throughput, and the KV capacity in tokens the
 same budget holds (from the worker's plan), with its ratio to bf16.
 
-Writes benchmarks/results/kv_cache.md and kv_cache.json (--quick: kv_cache_quick.*).
+Writes benchmarks/results/kv_cache.md and kv_cache.json (--quick: kv_cache_quick.*; with
+VLLM_CPU_BACKEND_ISA=avx2, the AVX2 library forced: kv_cache_avx2.*).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 MARKER = "KV_RESULT "
+ISA_VAR = "VLLM_CPU_BACKEND_ISA"  # e.g. avx2: results go to kv_cache_avx2.*
 DTYPES = ["auto", "fp8_e5m2", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head"]
 ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -103,6 +105,11 @@ def run_all(args) -> list[dict]:
     return results
 
 
+def isa_prefix() -> str:
+    """The forced ISA library of this run, as the command's env prefix ('' = auto-detected)."""
+    return f"{ISA_VAR}={os.environ[ISA_VAR]} " if os.environ.get(ISA_VAR) else ""
+
+
 def report(args, results: list[dict]) -> str:
     base = next((r for r in results if r["kv_cache_dtype"] == "auto" and "error" not in r), None)
     lines = [
@@ -111,7 +118,7 @@ def report(args, results: list[dict]) -> str:
         f"SmolLM2-135M-Instruct bf16, our plugin, {args.seqs} sequences x {args.prompt_len}-token prompts, "
         f"{args.output_len} new tokens each (decode over the cached prompts), KV budget "
         f"VLLM_CPU_KVCACHE_SPACE=2, median of {args.reps}. Command: "
-        f"`python -m benchmarks.kv_cache{' --quick' if args.quick else ''}`. "
+        f"`{isa_prefix()}python -m benchmarks.kv_cache{' --quick' if args.quick else ''}`. "
         "Shared 2-core machine: ratios measured in the same run matter, absolute numbers are noisy.",
         "",
         "| KV dtype | decode tok/s | vs bf16 KV | prefill tok/s | KV capacity (tokens) | vs bf16 KV |",
@@ -149,6 +156,8 @@ def main(argv=None) -> int:
         return 0
     results = run_all(args)
     stem = "kv_cache_quick" if args.quick else "kv_cache"
+    if os.environ.get(ISA_VAR):
+        stem += f"_{os.environ[ISA_VAR]}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     text = report(args, results)
