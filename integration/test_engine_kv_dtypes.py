@@ -8,10 +8,13 @@
 2. Accuracy, SmolLM2-135M-Instruct in bf16, per quantized dtype against the
    bf16 KV cache ("auto"): teacher-forced over the bf16-KV engine's own
    320-token greedy continuation, prefilled in 96-token chunks over the paged
-   cache: top-1 agreement with the bf16-KV top-1 and the largest change of
-   the reference token's log-probability; plus the free-running greedy
-   continuation's common prefix with bf16 KV (printed, not bounded: one
-   near-tie decides it). Bounds below; measured figures in docs/kv_cache.md.
+   cache: top-1 agreement with the bf16-KV top-1 at the positions the bf16-KV
+   engine decides (its top-1 beats its top-2 by >= DECIDED_MARGIN nats; at a
+   near-tie any rounding flips the winner), the agreement over all positions
+   (printed), and the largest change of the reference token's log-probability;
+   plus the free-running greedy continuation's common prefix with bf16 KV
+   (printed, not bounded: one near-tie decides it). Bounds below; measured
+   figures in docs/kv_cache.md.
 """
 
 from __future__ import annotations
@@ -25,17 +28,19 @@ from integration.conftest import greedy, report, running_llm
 QUANTIZED = ["fp8_e5m2", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head"]
 CONTINUATION = 320
 PROMPT = "Once upon a time, there was a little girl named Lily who"
-# Per dtype: (min teacher-forced top-1 agreement, max |logprob diff|).
-# The agreement depends on the reference text, i.e. on the bf16-KV decode's
-# rounding order: two equally exact decode kernels (2026-11-30, before and
-# after the decode rewrite; this path's prefill is the same) gave texts on
-# which e4m3 agrees 97.8% and 95.6% (e5m2 95.9% / 97.2%), so e4m3's bound is
-# e5m2's. The log-prob bounds, with margin on both texts, stay as they were.
+# Per dtype: (min teacher-forced top-1 agreement at decided positions, max |logprob diff|).
+# Agreement over all positions depends on the reference text, i.e. on the
+# bf16-KV decode's rounding order: equally exact decode kernels gave texts on
+# which e5m2 agreed 95.9%, 97.2% and 93.8% of all positions (e4m3 97.8%,
+# 95.6%, 95.9%; int8 98-99%, then 96.9%), the misses being near-ties. Hence
+# the bound counts decided positions only. The log-prob bounds, with margin
+# on every text, stay as they were.
+DECIDED_MARGIN = 0.5
 ACCURACY_BOUNDS = {
-    "fp8_e5m2": (0.95, 1.5),
-    "fp8_e4m3": (0.95, 1.0),
+    "fp8_e5m2": (0.97, 1.5),
+    "fp8_e4m3": (0.97, 1.0),
     "int8_per_token_head": (0.98, 0.5),
-    "fp8_per_token_head": (0.97, 1.0),
+    "fp8_per_token_head": (0.98, 1.0),
 }
 
 
@@ -86,7 +91,7 @@ def _teacher_forced(llm, seq):
 
     (out,) = llm.generate(
         [{"prompt_token_ids": seq}],
-        SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0),
+        SamplingParams(max_tokens=1, prompt_logprobs=2, temperature=0.0),
         use_tqdm=False,
     )
     return out.prompt_logprobs
@@ -100,11 +105,15 @@ def test_smollm2_quantized_kv_tracks_bf16_kv(smollm2_bf16, bf16_reference, kv_dt
         (free,) = greedy(llm, [prompt], CONTINUATION - 64)
         assert report(llm)["attention_native"] == [True]
     positions = range(len(prompt), len(seq))
-    agree, diffs = 0, []
+    agree, decided, agree_decided, diffs = 0, 0, 0, []
     for i in positions:
         top_ref = next(t for t, lp in ref[i].items() if lp.rank == 1)
         top_got = next(t for t, lp in got[i].items() if lp.rank == 1)
+        second_ref = next(lp.logprob for lp in ref[i].values() if lp.rank == 2)
         agree += top_ref == top_got
+        if ref[i][top_ref].logprob - second_ref >= DECIDED_MARGIN:
+            decided += 1
+            agree_decided += top_ref == top_got
         diffs.append(abs(got[i][seq[i]].logprob - ref[i][seq[i]].logprob))
     free_tokens = list(free.outputs[0].token_ids)
     common = next(
@@ -113,10 +122,11 @@ def test_smollm2_quantized_kv_tracks_bf16_kv(smollm2_bf16, bf16_reference, kv_dt
     n = len(positions)
     print(
         f"{kv_dtype} vs bf16 KV over {n} teacher-forced steps: top-1 agreement {agree / n:.4f}, "
+        f"at the {decided} decided positions {agree_decided / decided:.4f}, "
         f"max |logprob diff| {max(diffs):.4f}, mean {sum(diffs) / n:.4f}; "
         f"free-running greedy equal for the first {common}/{len(free_tokens)} tokens"
     )
     min_agree, max_diff = ACCURACY_BOUNDS[kv_dtype]
-    assert n >= 256
-    assert agree / n >= min_agree
+    assert n >= 256 and decided >= n // 2
+    assert agree_decided / decided >= min_agree
     assert max(diffs) <= max_diff
