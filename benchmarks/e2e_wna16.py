@@ -1,7 +1,7 @@
 """End to end: batch-1 decode of an int4 GPTQ checkpoint vs the bf16 model, on
 our plugin (one fresh subprocess per variant).
 
-    .venv/bin/python -m benchmarks.e2e_wna16 [--isa avx2] [--tokens 64] [--repeat 3]
+    .venv/bin/python -m benchmarks.e2e_wna16 [--isa avx2|avx512|portable] [--tokens 64] [--repeat 3]
 
 Model: integration/models.qwen25_05b_shape (Qwen2.5-0.5B's shape, random bf16
 weights, tied 151936 x 896 embedding / LM head kept in bf16), quantized once
@@ -9,7 +9,10 @@ by `cpu_backend.tools.quantize` (GPTQ 4-bit, group 128, sym) into the model
 cache. Each variant: LLM(dtype=bfloat16), one warm-up generation, then
 `--repeat` greedy generations of `--tokens` tokens from a 16-token prompt;
 decode tok/s = (tokens - 1) / (total time - time to first token), median.
-Writes benchmarks/results/e2e_wna16.md.
+Threads: `VLLM_CPU_OMP_THREADS_BIND=0-1` unless set (both cores of this
+machine, as in benchmarks/e2e.py; the default `auto` keeps one core of two
+for the engine process). Writes benchmarks/results/e2e_wna16.md
+(e2e_wna16_<isa>.md for another --isa).
 """
 
 from __future__ import annotations
@@ -73,7 +76,8 @@ def main() -> None:
         quantize_checkpoint(bf16, int4, "gptq", 4, 128, True)
     rows = []
     for name, model in (("bf16", bf16), ("gptq int4 g128", int4)):
-        env = {**os.environ, "VLLM_CPU_BACKEND_ISA": a.isa, "PYTHONPATH": str(REPO)}
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", **os.environ, "VLLM_CPU_BACKEND_ISA": a.isa,
+               "PYTHONPATH": str(REPO)}
         proc = subprocess.run([sys.executable, "-m", "benchmarks.e2e_wna16", "--worker", str(model),
                                "--tokens", str(a.tokens), "--repeat", str(a.repeat)],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
@@ -84,12 +88,15 @@ def main() -> None:
         rows.append((name, json.loads(line[-1][7:])))
     base = rows[0][1]["decode_tok_s"]
     text = ["# Batch-1 decode: GPTQ int4 vs bf16 (Qwen2.5-0.5B shape, our plugin)", "",
-            f"ISA library {a.isa}; {a.tokens} tokens, median of {a.repeat}; shared 2-core machine.", "",
+            f"ISA library {a.isa}; VLLM_CPU_OMP_THREADS_BIND="
+            f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '0-1')}; {a.tokens} tokens, median of {a.repeat}; "
+            "shared 2-core machine.", "",
             "| model | decode tok/s | vs bf16 | linear methods |", "|---|---|---|---|"]
     for name, r in rows:
         text.append(f"| {name} | {r['decode_tok_s']:.2f} | {r['decode_tok_s'] / base:.2f}x | "
                     f"{', '.join(r['linear_methods'])} |")
-    out = REPO / "benchmarks" / "results" / "e2e_wna16.md"
+    stem = "e2e_wna16" if a.isa == "avx2" else f"e2e_wna16_{a.isa}"
+    out = REPO / "benchmarks" / "results" / f"{stem}.md"
     out.write_text("\n".join(text) + "\n")
     print("\n".join(text))
 

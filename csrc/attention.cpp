@@ -283,11 +283,11 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
   // instructions of widening every key to fp32. int8 values likewise: each
   // chunk's weights (probability x value scale) are quantized to int16 per
   // head, step w_step[g] (error <= 1.5e-5 of the chunk's largest weight).
-  constexpr bool kInt8Keys = std::is_same_v<E, int8_t>;
-  const bool int8_dots = kInt8Keys && nv % 2 == 0;
-  alignas(64) int16_t w16[kMaxGroup][kInt8Keys ? 16 : 1];
+  constexpr bool kInt8Kv = std::is_same_v<E, int8_t>;
+  const bool int8_dots = kInt8Kv && nv % 2 == 0;
+  alignas(64) int16_t w16[kMaxGroup][kInt8Kv ? 16 : 1];
   alignas(64) float w_step[kMaxGroup];
-  alignas(64) int16_t qi[kMaxGroup][kInt8Keys ? kMaxHeadSize : 1];
+  alignas(64) int16_t qi[kMaxGroup][kInt8Kv ? kMaxHeadSize : 1];
   alignas(64) float q_step[kMaxGroup];
   for (int64_t g = 0; g < G; ++g) {
     q_step[g] = 1.f;
@@ -312,8 +312,9 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
     // streams many short runs that the hardware prefetcher picks up too late,
     // and one chunk ahead leaves the memory latency exposed (measured: the
     // cost per chunk then barely depends on the bytes per row). Three chunks
-    // ahead fit L1 (12 KB of bf16 rows); into L1 rather than L2 is 10-17%
-    // faster for 1-byte rows (Zen 5, AVX-512 and AVX2 builds).
+    // of bf16 K and V rows are 12 KB at head size 64, 48 KB (all of Zen 5's
+    // L1) at 256; into L1 rather than L2 is 10-17% faster for 1-byte rows at
+    // head size 64 (Zen 5, AVX-512 and AVX2 builds).
     if (const int64_t t_pf = t0 + kDecodePrefetchRows; t_pf <= pos) {
       const int64_t bn = t_pf / P.block_size;
       const int64_t nn = std::min<int64_t>({16, pos + 1 - t_pf, (bn + 1) * P.block_size - t_pf});
@@ -326,7 +327,7 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
     // Scores: each key row widened once, dotted with every head's query.
     for (int64_t j = 0; j < n; ++j) {
       const E* row = rows + j * token_stride;
-      if constexpr (kInt8Keys) {
+      if constexpr (kInt8Kv) {
         if (int8_dots) {
           decode_scores_i16<NV>(row, qi, G, nv, part, j);
         } else {
@@ -366,7 +367,7 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
       V p = exp(s - V::broadcast(run_max[g]));
       run_sum[g] = run_sum[g] + p;
       if constexpr (KV::kTokenScales) p = p * V::load(value_scales);
-      if constexpr (kInt8Keys) {
+      if constexpr (kInt8Kv) {
         if (int8_dots) {
           // (a chunk whose weights are all below 1e-30 adds nothing: 32767 / w_max must stay finite)
           const float w_max = p.reduce_max(), inv = w_max > 1e-30f ? 32767.f / w_max : 0.f;
@@ -379,7 +380,7 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
     }
     // Values: acc = acc * corr + probs . V, register-blocked over heads and output vectors.
     const E* values = rows + D;
-    if constexpr (kInt8Keys) {
+    if constexpr (kInt8Kv) {
       if (int8_dots) {
         constexpr int NU = std::min(std::max(kNvMax / 2, 1), kDecodeI16Units);
         int64_t u0 = 0;

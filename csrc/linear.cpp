@@ -12,7 +12,9 @@
 // broadcast-FMAs; it writes the fp32 tile to a small buffer, from which the
 // epilogue adds the bias and narrows to the output dtype. bf16 x with bf16
 // weights on the avx512 build: x chunks hold bf16 pairs and the microkernel
-// does MR x NR/16 VDPBF16PS per pair of k (fp32 accumulation). Work is split over
+// does MR x NR/16 VDPBF16PS per pair of k (fp32 accumulation). With one or two
+// rows (decode) the microkernel keeps 4 or 2 accumulator sets over consecutive
+// k and prefetches the panel stream 4 KB ahead. Work is split over
 // panels (and over row blocks when there are few panels) with at::parallel_for,
 // so a thread keeps its panel in L1/L2 while it walks the row chunks.
 #include <ATen/Parallel.h>
@@ -137,20 +139,32 @@ struct PlainKernel {
 
   template <int MR>
   static void run(const float* __restrict a, const WT* __restrict w, int64_t K, float* __restrict c) {
-    Vec acc[MR][kNV];
-    CB_UNROLL for (int m = 0; m < MR; ++m) {
-      CB_UNROLL for (int v = 0; v < kNV; ++v) acc[m][v] = Vec::zero();
+    constexpr int KU = kSplitK<MR>;
+    Vec acc[KU][MR][kNV];
+    CB_UNROLL for (int u = 0; u < KU; ++u) {
+      CB_UNROLL for (int m = 0; m < MR; ++m) {
+        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[u][m][v] = Vec::zero();
+      }
     }
-    for (int64_t k = 0; k < K; ++k) {
+    auto row = [&](int u, int64_t k) CB_ALWAYS_INLINE_LAMBDA {
       Vec wv[kNV];
       CB_UNROLL for (int v = 0; v < kNV; ++v) wv[v] = Vec::load(w + k * kNR + v * 16);
       CB_UNROLL for (int m = 0; m < MR; ++m) {
         const Vec av = Vec::broadcast(a[k * MR + m]);
-        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[m][v] = fma(av, wv[v], acc[m][v]);
+        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[u][m][v] = fma(av, wv[v], acc[u][m][v]);
       }
+    };
+    const int64_t KE = K / KU * KU;
+    for (int64_t k = 0; k < KE; k += KU) {
+      prefetch_panel<KU * kNR * sizeof(WT)>(w + k * kNR);
+      CB_UNROLL for (int u = 0; u < KU; ++u) row(u, k + u);
     }
+    for (int64_t k = KE; k < K; ++k) row(0, k);
     CB_UNROLL for (int m = 0; m < MR; ++m) {
-      CB_UNROLL for (int v = 0; v < kNV; ++v) acc[m][v].store(c + m * kNR + v * 16);
+      CB_UNROLL for (int v = 0; v < kNV; ++v) {
+        CB_UNROLL for (int u = 1; u < KU; ++u) acc[0][m][v] = acc[0][m][v] + acc[u][m][v];
+        acc[0][m][v].store(c + m * kNR + v * 16);
+      }
     }
   }
 };
@@ -199,29 +213,40 @@ struct DpBf16Kernel {
 
   template <int MR>
   static void run(const uint32_t* __restrict a, const bf16_t* __restrict w, int64_t K, float* __restrict c) {
-    Vec acc[MR][kNV];
-    CB_UNROLL for (int m = 0; m < MR; ++m) {
-      CB_UNROLL for (int v = 0; v < kNV; ++v) acc[m][v] = Vec::zero();
+    constexpr int KU = kSplitK<MR>;
+    Vec acc[KU][MR][kNV];
+    CB_UNROLL for (int u = 0; u < KU; ++u) {
+      CB_UNROLL for (int m = 0; m < MR; ++m) {
+        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[u][m][v] = Vec::zero();
+      }
     }
-    const int64_t KP = K / 2;
-    for (int64_t i = 0; i < KP; ++i) {
+    auto pair = [&](int u, int64_t i) CB_ALWAYS_INLINE_LAMBDA {
       VecBF16x32 wv[kNV];
       CB_UNROLL for (int v = 0; v < kNV; ++v) wv[v] = VecBF16x32::load(w + 2 * i * kNR + v * 32);
       CB_UNROLL for (int m = 0; m < MR; ++m) {
         const VecBF16x32 av = VecBF16x32::broadcast_pair(a[i * MR + m]);
-        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[m][v] = dot2_bf16(acc[m][v], av, wv[v]);
+        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[u][m][v] = dot2_bf16(acc[u][m][v], av, wv[v]);
       }
+    };
+    const int64_t KP = K / 2, KE = KP / KU * KU;
+    for (int64_t i = 0; i < KE; i += KU) {
+      prefetch_panel<KU * 2 * kNR * sizeof(bf16_t)>(w + 2 * i * kNR);
+      CB_UNROLL for (int u = 0; u < KU; ++u) pair(u, i + u);
     }
+    for (int64_t i = KE; i < KP; ++i) pair(0, i);
     if (K & 1) {  // odd last row: plain bf16 -> pairs (w, 0); a holds (x, 0)
       VecBF16x32 wv[kNV];
       CB_UNROLL for (int v = 0; v < kNV; ++v) wv[v] = VecBF16x32::load_zero_odd(w + 2 * KP * kNR + v * 16);
       CB_UNROLL for (int m = 0; m < MR; ++m) {
         const VecBF16x32 av = VecBF16x32::broadcast_pair(a[KP * MR + m]);
-        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[m][v] = dot2_bf16(acc[m][v], av, wv[v]);
+        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[0][m][v] = dot2_bf16(acc[0][m][v], av, wv[v]);
       }
     }
     CB_UNROLL for (int m = 0; m < MR; ++m) {
-      CB_UNROLL for (int v = 0; v < kNV; ++v) acc[m][v].store(c + m * kNR + v * 16);
+      CB_UNROLL for (int v = 0; v < kNV; ++v) {
+        CB_UNROLL for (int u = 1; u < KU; ++u) acc[0][m][v] = acc[0][m][v] + acc[u][m][v];
+        acc[0][m][v].store(c + m * kNR + v * 16);
+      }
     }
   }
 };

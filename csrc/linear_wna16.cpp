@@ -1,22 +1,30 @@
 // Weight-only quantized linear (GPTQ / AWQ / compressed-tensors W4A16, W8A16):
 // y = x @ dequant(W)^T + b with W stored as unsigned 4- or 8-bit integers.
 //
-// Layout (made once at load by cpu_backend.quantization.pack, pure torch):
-//   qweight [P = ceil(N/16)][K][RB] uint8: row k of panel p holds the 16
-//     columns n = 16p..16p+15; RB = 16 bytes (u8, one per column) or 8 bytes
-//     (u4: column j < 8 in the low nibble of byte j, j >= 8 in the high nibble
-//     of byte j-8). Columns >= N are zero.
+// Layout (made once at load by cpu_backend.quantization.formats.kernel_layout):
+//   qweight [P = ceil(N/16)][B][64] uint8: panel p holds the 16 columns
+//     n = 16p..16p+15 (columns >= N are zero); its K inputs, sorted by group,
+//     are cut into words of KW = 32/BITS inputs (8 for u4, 4 for u8), each
+//     group padded with zero weights to whole words (gsp = round_up(gs, KW));
+//     block b is 16 little-endian uint32 words, word c = sum_i
+//     q[16p + c][KW*b + i] << (BITS*i). B = G * gsp / KW.
 //   scales, zs [P][G][16] fp32, G = K / group_size: the weight is
 //     q * scale + zs (zs = -zero * scale, so asymmetric and symmetric are one
 //     path). Padded columns have scale 0.
 //   perm [K] int64 (optional): row k of the weight multiplies x[:, perm[k]]
 //     (GPTQ act-order: rows sorted by g_idx so every group is contiguous).
-// Compute: x rows are packed to fp32 chunks [K][mr] (gathered through perm),
-// then per k one panel row is widened in registers (u8/u4 -> fp32) and
-// multiplied into MR x 16 fp32 group accumulators; at the end of each group
-// those are scaled and the zero term added from the group's sum of x. Same work split as linear.cpp
-// (panels x row blocks with at::parallel_for). Registered here with
-// TORCH_LIBRARY_FRAGMENT so registration.cpp stays untouched.
+// Compute: x rows are packed to fp32 chunks [G * gsp][mr] (gathered through
+// perm, zero in group padding), each value times 2^-(BITS*i) for field i of
+// its word (vec_quant.h: field i is converted in place, as q * 2^(BITS*i),
+// so one 64-byte load gives KW rows of 16 columns for one AND and one
+// conversion each). Per group the exact integer products are accumulated,
+// then scaled once and the zero term added from the group's sum of x. Two
+// other paths: 4-bit weights with bf16 x on the avx512 build (AVX512-BF16)
+// run Q4PairKernel (two inputs per VDPBF16PS); from kDenseRows rows each
+// task dequantizes its panel once and runs DenseKernel. Same work split as
+// linear.cpp (panels x row blocks with at::parallel_for).
+// Registered here with TORCH_LIBRARY_FRAGMENT so registration.cpp stays
+// untouched.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -26,6 +34,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
+#include <iterator>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -40,62 +50,69 @@ namespace {
 
 using Vec = VecF32x16;
 constexpr int kNR = 16;
+// kMR: rows per call of the quantized kernel; kMRD: of the dense kernel.
+// From kDenseRows rows on, each task dequantizes its panel to fp32 once and
+// runs the dense kernel on it, so the unpacking is shared by all its row
+// chunks. Measured (Qwen2.5-0.5B linears, 2 threads): on AVX2 that is 1.05x
+// at 16 rows and 1.25-1.3x at 64 (as fast as bf16 weights), slower at 8; on
+// AVX-512 the quantized kernel's 8 rows already amortize the unpacking and the
+// dense path was 1.2-2x slower at 8-64 rows, so it is off there.
 #if defined(CPU_BACKEND_ISA_AVX512)
 constexpr int kMR = 8;
+constexpr int kMRD = 12;
+constexpr int64_t kDenseRows = INT64_MAX;
+#elif defined(CPU_BACKEND_ISA_AVX2)
+constexpr int kMR = 3;   // 4*MR accumulators (acc, group acc) + 2 ymm w + 1 x
+constexpr int kMRD = 6;  // 2*MR accumulators + 2 ymm w + 1 x
+constexpr int64_t kDenseRows = 16;
 #else
-constexpr int kMR = 3;  // avx2: 4*MR accumulators (acc, group acc) + 2 ymm w + 1 x
+constexpr int kMR = 3;
+constexpr int kMRD = 4;
+constexpr int64_t kDenseRows = 16;
 #endif
 
 
-template <int BITS>
-struct RowBytes {
-  static constexpr int value = BITS == 4 ? 8 : 16;
-};
+constexpr int64_t kBlockBytes = 64;  // 16 uint32 words
 
-template <int BITS>
-static CB_ALWAYS_INLINE Vec load_q(const uint8_t* p) {
-  if constexpr (BITS == 4) {
-    return load_u4x16(p);
-  } else {
-    return load_u8x16(p);
-  }
-}
 
-// c[MR][16] = a-chunk [K][MR] @ dequantized panel. Per group: gacc = sum_k
-// a[k] * q[k] (the integer weights, exact in fp32), then acc += gacc * scale
-// + asum * zs, with asum[g][m] the group's sum of a (precomputed per chunk):
-// scale and zero cost two FMAs per group instead of one per k.
+// c[MR][16] = a-chunk [G*gsp][MR] @ dequantized panel. Per group: gacc =
+// sum_k a[k] * q[k] (integer weights, exact in fp32; a carries the field
+// scale), then acc += gacc * scale + asum * zs with asum[g][m] the group's
+// sum of x: scale and zero cost two FMAs per group instead of one per k.
 template <int BITS>
 struct QuantKernel {
+  using AT = float;  // one fp32 x value per input
+  static constexpr int kInputsPerA = 1;
+  static constexpr int KW = 32 / BITS;
+
+  template <int MR, int KU, int I>
+  static CB_ALWAYS_INLINE void field(const uint8_t* q, const float* a, Vec (&gacc)[KU][MR]) {
+    const Vec w = qfield<BITS, I>(q);
+    CB_UNROLL for (int m = 0; m < MR; ++m) {
+      gacc[I % KU][m] = fma(Vec::broadcast(a[I * MR + m]), w, gacc[I % KU][m]);
+    }
+  }
+  template <int MR, int KU, size_t... I>
+  static CB_ALWAYS_INLINE void block(const uint8_t* q, const float* a, Vec (&gacc)[KU][MR],
+                                     std::index_sequence<I...>) {
+    (field<MR, KU, int(I)>(q, a, gacc), ...);
+  }
+
   template <int MR>
   static void run(const float* __restrict a, const float* __restrict asum, const uint8_t* __restrict q,
-                  const float* __restrict s, const float* __restrict zs, int64_t K, int64_t gs,
+                  const float* __restrict s, const float* __restrict zs, int64_t G, int64_t group_blocks,
                   float* __restrict c) {
-    constexpr int RB = RowBytes<BITS>::value;
+    constexpr int KU = kSplitK<MR>;  // field i goes to accumulator set i % KU
     Vec acc[MR];
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = Vec::zero();
-    const int64_t G = K / gs;
-    // Few rows: KU independent accumulator sets over k, so consecutive FMAs
-    // do not wait on each other (one chain would be FMA-latency bound).
-    constexpr int KU = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
     for (int64_t g = 0; g < G; ++g) {
       Vec gacc[KU][MR];
       CB_UNROLL for (int u = 0; u < KU; ++u) {
         CB_UNROLL for (int m = 0; m < MR; ++m) gacc[u][m] = Vec::zero();
       }
-      const int64_t k0 = g * gs, k1 = (g + 1) * gs;
-      const int64_t ku_end = k0 + (gs / KU) * KU;
-      for (int64_t k = k0; k < ku_end; k += KU) {
-        CB_UNROLL for (int u = 0; u < KU; ++u) {
-          const Vec w = load_q<BITS>(q + (k + u) * RB);
-          CB_UNROLL for (int m = 0; m < MR; ++m) {
-            gacc[u][m] = fma(Vec::broadcast(a[(k + u) * MR + m]), w, gacc[u][m]);
-          }
-        }
-      }
-      for (int64_t k = ku_end; k < k1; ++k) {
-        const Vec w = load_q<BITS>(q + k * RB);
-        CB_UNROLL for (int m = 0; m < MR; ++m) gacc[0][m] = fma(Vec::broadcast(a[k * MR + m]), w, gacc[0][m]);
+      for (int64_t b = 0; b < group_blocks; ++b, q += kBlockBytes, a += KW * MR) {
+        prefetch_panel<kBlockBytes>(q);
+        block<MR, KU>(q, a, gacc, std::make_index_sequence<KW>{});
       }
       CB_UNROLL for (int u = 1; u < KU; ++u) {
         CB_UNROLL for (int m = 0; m < MR; ++m) gacc[0][m] = gacc[0][m] + gacc[u][m];
@@ -110,34 +127,167 @@ struct QuantKernel {
   }
 };
 
-template <int BITS, size_t... I>
+template <typename Kern, size_t... I>
 constexpr auto make_table(std::index_sequence<I...>) {
-  using Fn = void (*)(const float*, const float*, const uint8_t*, const float*, const float*, int64_t,
+  using Fn = void (*)(const typename Kern::AT*, const float*, const uint8_t*, const float*, const float*, int64_t,
                       int64_t, float*);
-  return std::array<Fn, sizeof...(I)>{&QuantKernel<BITS>::template run<int(I) + 1>...};
+  return std::array<Fn, sizeof...(I)>{&Kern::template run<int(I) + 1>...};
 }
 
-// x rows (through perm when given) -> fp32 chunks of kMR rows laid out [K][mr].
-template <typename XT>
-void pack_rows(const XT* x, int64_t ldx, int64_t M, int64_t K, const int64_t* perm, float* ap) {
-  const int64_t C = ceil_div(M, kMR);
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, kMR * K));
-  at::parallel_for(0, C, grain, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t r0 = c * kMR;
-      const int mr = int(std::min<int64_t>(kMR, M - r0));
-      float* dst = ap + c * kMR * K;
-      for (int m = 0; m < mr; ++m) {
-        const XT* src = x + (r0 + m) * ldx;
-        if (perm) {
-          for (int64_t k = 0; k < K; ++k) dst[k * mr + m] = to_f32(src[perm[k]]);
-        } else {
-          for (int64_t k = 0; k < K; ++k) dst[k * mr + m] = to_f32(src[k]);
+#if defined(CPU_BACKEND_HAS_DPBF16)
+// u4 weights with bf16 x on AVX512-BF16: fields (j, j+4) of a word become a
+// bf16 pair (128 + q) and one VDPBF16PS takes two inputs of 16 columns (half
+// the instructions per weight of QuantKernel<4>). x is packed as matching
+// bf16 pairs, exact for bf16 x. Per group gacc = sum x (128 + q); the 128 is
+// folded into the zero term: acc += gacc * scale + asum * (zs - 128 scale).
+struct Q4PairKernel {
+  using AT = uint32_t;  // two bf16 x values per a value
+  static constexpr int kInputsPerA = 2;
+  static constexpr int KW = 8;
+
+  template <int MR, int KU, int J>
+  static CB_ALWAYS_INLINE void pair(const uint8_t* q, const uint32_t* a, Vec (&gacc)[KU][MR]) {
+    const VecBF16x32 w = q4_bf16_pair<J>(q);
+    CB_UNROLL for (int m = 0; m < MR; ++m) {
+      gacc[J % KU][m] = dot2_bf16(gacc[J % KU][m], VecBF16x32::broadcast_pair(a[J * MR + m]), w);
+    }
+  }
+  template <int MR, int KU, size_t... J>
+  static CB_ALWAYS_INLINE void block(const uint8_t* q, const uint32_t* a, Vec (&gacc)[KU][MR],
+                                     std::index_sequence<J...>) {
+    prefetch_panel<kBlockBytes>(q);
+    (pair<MR, KU, int(J)>(q, a, gacc), ...);
+  }
+
+  template <int MR>
+  static void run(const uint32_t* __restrict a, const float* __restrict asum, const uint8_t* __restrict q,
+                  const float* __restrict s, const float* __restrict zs, int64_t G, int64_t group_blocks,
+                  float* __restrict c) {
+    // Two blocks per step, each with its own KU accumulator sets: the
+    // VDPBF16PS latency needs more independent chains than the FMA path.
+    constexpr int KU = kSplitK<MR>;
+    constexpr auto pairs = std::make_index_sequence<KW / 2>{};
+    constexpr int64_t kA = KW / 2 * MR;  // a values per block
+    Vec acc[MR];
+    CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = Vec::zero();
+    for (int64_t g = 0; g < G; ++g) {
+      Vec gacc[2][KU][MR];
+      CB_UNROLL for (int h = 0; h < 2; ++h) {
+        CB_UNROLL for (int u = 0; u < KU; ++u) {
+          CB_UNROLL for (int m = 0; m < MR; ++m) gacc[h][u][m] = Vec::zero();
         }
       }
+      int64_t b = 0;
+      for (; b + 2 <= group_blocks; b += 2, q += 2 * kBlockBytes, a += 2 * kA) {
+        block<MR, KU>(q, a, gacc[0], pairs);
+        block<MR, KU>(q + kBlockBytes, a + kA, gacc[1], pairs);
+      }
+      if (b < group_blocks) {
+        block<MR, KU>(q, a, gacc[0], pairs);
+        q += kBlockBytes;
+        a += kA;
+      }
+      CB_UNROLL for (int m = 0; m < MR; ++m) {
+        Vec t = gacc[0][0][m] + gacc[1][0][m];
+        CB_UNROLL for (int u = 1; u < KU; ++u) t = t + gacc[0][u][m] + gacc[1][u][m];
+        gacc[0][0][m] = t;
+      }
+      const Vec sv = Vec::load(s + g * kNR);
+      const Vec zv = fma(Vec::broadcast(-kQ4PairBias), sv, Vec::load(zs + g * kNR));
+      CB_UNROLL for (int m = 0; m < MR; ++m) {
+        acc[m] = fma(Vec::broadcast(asum[g * MR + m]), zv, fma(gacc[0][0][m], sv, acc[m]));
+      }
+    }
+    CB_UNROLL for (int m = 0; m < MR; ++m) acc[m].store(c + m * kNR);
+  }
+};
+#endif
+
+// The kernel's view of the input dimension: G groups of gs inputs, each
+// padded to gsp = round_up(gs, KW) rows; field scales xs[i] for i < KW.
+struct KLayout {
+  int64_t G, gs, gsp;
+  int kw;
+  float xs[8];
+};
+
+template <int BITS, size_t... I>
+KLayout make_layout(int64_t G, int64_t gs, std::index_sequence<I...>) {
+  constexpr int KW = 32 / BITS;
+  KLayout l{G, gs, ceil_div(gs, KW) * KW, KW, {}};
+  ((l.xs[I] = QField<BITS, int(I)>::kXScale), ...);
+  return l;
+}
+
+// Calls f(c, r, m, mr) for every row r of x, row m of the mr rows of chunk
+// c (chunks of `chunk` rows), chunks in parallel; per_row sizes the grain.
+template <typename F>
+void for_chunk_rows(int64_t M, int chunk, int64_t per_row, F&& f) {
+  const int64_t C = ceil_div(M, chunk);
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, chunk * per_row));
+  at::parallel_for(0, C, grain, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int mr = int(std::min<int64_t>(chunk, M - c * chunk));
+      for (int m = 0; m < mr; ++m) f(c, c * chunk + m, m, mr);
     }
   });
 }
+
+// x rows (through perm when given) -> fp32 chunks of `chunk` rows laid out
+// [G * gsp][mr], value times l.xs of its field, zero in group padding; and
+// asum[c][g][mr] = the group's sum of the unscaled values.
+template <typename XT>
+void pack_rows(const XT* x, int64_t ldx, int64_t M, const KLayout& l, const int64_t* perm, int chunk,
+               float* ap, float* asum) {
+  const int64_t Kp = l.G * l.gsp;
+  for_chunk_rows(M, chunk, Kp, [&](int64_t c, int64_t r, int m, int mr) {
+    const XT* src = x + r * ldx;
+    for (int64_t g = 0; g < l.G; ++g) {
+      float* d = ap + c * chunk * Kp + g * l.gsp * mr + m;
+      float t = 0.0f;
+      for (int64_t j = 0; j < l.gs; ++j) {
+        const int64_t k = g * l.gs + j;
+        const float v = to_f32(perm ? src[perm[k]] : src[k]);
+        t += v;
+        d[j * mr] = v * l.xs[j & (l.kw - 1)];
+      }
+      for (int64_t j = l.gs; j < l.gsp; ++j) d[j * mr] = 0.0f;
+      asum[c * chunk * l.G + g * mr + m] = t;
+    }
+  });
+}
+
+#if defined(CPU_BACKEND_HAS_DPBF16)
+// bf16 x rows -> chunks of kMR rows laid out [G * gsp / 2][mr] of bf16 pairs
+// for Q4PairKernel: pair J of word b holds inputs 8b + J (low half) and
+// 8b + J + 4 (high half), zero in group padding; asum as pack_rows.
+void pack_rows_q4_pairs(const bf16_t* x, int64_t ldx, int64_t M, const KLayout& l, const int64_t* perm,
+                        uint32_t* ap, float* asum) {
+  const int64_t KA = l.G * l.gsp / 2;
+  for_chunk_rows(M, kMR, KA, [&](int64_t c, int64_t r, int m, int mr) {
+    const bf16_t* src = x + r * ldx;
+    for (int64_t g = 0; g < l.G; ++g) {
+      uint32_t* d = ap + c * kMR * KA + g * (l.gsp / 2) * mr + m;
+      float t = 0.0f;
+      auto input = [&](int64_t j) -> uint32_t {
+        if (j >= l.gs) return 0;
+        const int64_t k = g * l.gs + j;
+        const bf16_t v = perm ? src[perm[k]] : src[k];
+        t += to_f32(v);
+        return v.x;
+      };
+      for (int64_t w = 0; w < l.gsp / 8; ++w) {
+        for (int J = 0; J < 4; ++J) {
+          const uint32_t lo = input(8 * w + J);
+          const uint32_t hi = input(8 * w + J + 4);
+          d[(4 * w + J) * mr] = lo | (hi << 16);
+        }
+      }
+      asum[c * kMR * l.G + g * mr + m] = t;
+    }
+  });
+}
+#endif
 
 template <typename OT>
 inline void store_tile(const float* tile, int mr, const float* bias, OT* out, int64_t ldo, int nn) {
@@ -152,42 +302,88 @@ inline void store_tile(const float* tile, int mr, const float* bias, OT* out, in
   }
 }
 
-// asum[c][g][mr] = sum over group g of chunk c's packed x (layout [K][mr]).
-void group_sums(const float* ap, int64_t M, int64_t K, int64_t gs, float* asum) {
-  const int64_t C = ceil_div(M, kMR), G = K / gs;
-  for (int64_t c = 0; c < C; ++c) {
-    const int mr = int(std::min<int64_t>(kMR, M - c * kMR));
-    const float* a = ap + c * kMR * K;
-    float* dst = asum + c * kMR * G;
+// Panel [B][64] -> fp32 [G * gsp][16] with w = q * scale + zs (group
+// padding rows get zs; the packed x is zero there).
+template <int BITS>
+struct Dequant {
+  template <size_t... I>
+  static CB_ALWAYS_INLINE void block(const uint8_t* q, Vec sv, Vec zv, float* w, std::index_sequence<I...>) {
+    (fma(qfield<BITS, int(I)>(q), sv * Vec::broadcast(QField<BITS, int(I)>::kXScale), zv).store(w + I * kNR), ...);
+  }
+  static void panel(const uint8_t* q, const float* s, const float* zs, int64_t G, int64_t group_blocks, float* w) {
+    constexpr int KW = 32 / BITS;
     for (int64_t g = 0; g < G; ++g) {
-      for (int m = 0; m < mr; ++m) {
-        float t = 0.0f;
-        for (int64_t k = g * gs; k < (g + 1) * gs; ++k) t += a[k * mr + m];
-        dst[g * mr + m] = t;
+      const Vec sv = Vec::load(s + g * kNR), zv = Vec::load(zs + g * kNR);
+      for (int64_t b = 0; b < group_blocks; ++b, q += kBlockBytes, w += KW * kNR) {
+        block(q, sv, zv, w, std::make_index_sequence<KW>{});
       }
     }
   }
+};
+
+// c[MR][16] = a-chunk [Kp][MR] @ fp32 panel [Kp][16].
+struct DenseKernel {
+  template <int MR>
+  static void run(const float* __restrict a, const float* __restrict w, int64_t Kp, float* __restrict c) {
+    Vec acc[MR];
+    CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = Vec::zero();
+    for (int64_t k = 0; k < Kp; ++k) {
+      const Vec wv = Vec::load(w + k * kNR);
+      CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = fma(Vec::broadcast(a[k * MR + m]), wv, acc[m]);
+    }
+    CB_UNROLL for (int m = 0; m < MR; ++m) acc[m].store(c + m * kNR);
+  }
+};
+
+template <size_t... I>
+constexpr auto make_dense_table(std::index_sequence<I...>) {
+  using Fn = void (*)(const float*, const float*, int64_t, float*);
+  return std::array<Fn, sizeof...(I)>{&DenseKernel::template run<int(I) + 1>...};
 }
 
 template <int BITS, typename OT>
-void run(const float* ap, const float* asum, const uint8_t* qw, const float* sc, const float* zs, const float* bias, OT* out,
-         int64_t M, int64_t N, int64_t K, int64_t gs) {
-  static constexpr auto kernels = make_table<BITS>(std::make_index_sequence<kMR>{});
-  constexpr int RB = RowBytes<BITS>::value;
-  const int64_t G = K / gs;
+void run_dense(const float* ap, const uint8_t* qw, const float* sc, const float* zs, const float* bias, OT* out,
+               int64_t M, int64_t N, const KLayout& l) {
+  static constexpr auto kernels = make_dense_table(std::make_index_sequence<kMRD>{});
+  const int64_t Kp = l.G * l.gsp, group_blocks = l.gsp / l.kw;
+  const int64_t P = ceil_div(N, kNR);
+  const int64_t C = ceil_div(M, kMRD);
+  parallel_panels(P, C, M * N * Kp, [&](int64_t p, int64_t c_begin, int64_t c_end) {
+    alignas(64) float tile[kMRD * kNR];
+    thread_local std::vector<float> wbuf;
+    if (wbuf.size() < size_t(Kp * kNR)) wbuf.resize(Kp * kNR);
+    Dequant<BITS>::panel(qw + p * l.G * group_blocks * kBlockBytes, sc + p * l.G * kNR, zs + p * l.G * kNR, l.G,
+                         group_blocks, wbuf.data());
+    const float* pb = bias ? bias + p * kNR : nullptr;
+    const int nn = int(std::min<int64_t>(kNR, N - p * kNR));
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int64_t r0 = c * kMRD;
+      const int mr = int(std::min<int64_t>(kMRD, M - r0));
+      kernels[mr - 1](ap + c * kMRD * Kp, wbuf.data(), Kp, tile);
+      store_tile(tile, mr, pb, out + r0 * N + p * kNR, N, nn);
+    }
+  });
+}
+
+template <typename Kern, typename OT>
+void run(const typename Kern::AT* ap, const float* asum, const uint8_t* qw, const float* sc, const float* zs,
+         const float* bias, OT* out, int64_t M, int64_t N, const KLayout& l) {
+  static constexpr auto kernels = make_table<Kern>(std::make_index_sequence<kMR>{});
+  const int64_t Kp = l.G * l.gsp, group_blocks = l.gsp / l.kw;
+  const int64_t KA = Kp / Kern::kInputsPerA;  // a values per row of a chunk
   const int64_t P = ceil_div(N, kNR);
   const int64_t C = ceil_div(M, kMR);
-  parallel_panels(P, C, M * N * K, [&](int64_t p, int64_t c_begin, int64_t c_end) {
+  parallel_panels(P, C, M * N * Kp, [&](int64_t p, int64_t c_begin, int64_t c_end) {
     alignas(64) float tile[kMR * kNR];
-    const uint8_t* panel = qw + p * K * RB;
-    const float* ps = sc + p * G * kNR;
-    const float* pz = zs + p * G * kNR;
+    const uint8_t* panel = qw + p * l.G * group_blocks * kBlockBytes;
+    const float* ps = sc + p * l.G * kNR;
+    const float* pz = zs + p * l.G * kNR;
     const float* pb = bias ? bias + p * kNR : nullptr;
     const int nn = int(std::min<int64_t>(kNR, N - p * kNR));
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int64_t r0 = c * kMR;
       const int mr = int(std::min<int64_t>(kMR, M - r0));
-      kernels[mr - 1](ap + c * kMR * K, asum + c * kMR * G, panel, ps, pz, K, gs, tile);
+      kernels[mr - 1](ap + c * kMR * KA, asum + c * kMR * l.G, panel, ps, pz, l.G, group_blocks, tile);
       store_tile(tile, mr, pb, out + r0 * N + p * kNR, N, nn);
     }
   });
@@ -200,23 +396,27 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                         const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias) {
   const char* op = "cpu_backend::wna16_linear";
   TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
-  const int64_t RB = bits == 4 ? 8 : 16;
-  TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.size(2) == RB &&
+  TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.size(2) == kBlockBytes &&
                   qweight.is_contiguous(),
-              op, ": qweight must be contiguous uint8 [ceil(N/16), K, ", RB, "], got ", qweight.sizes(), " ",
+              op, ": qweight must be contiguous uint8 [ceil(N/16), blocks, 64], got ", qweight.sizes(), " ",
               qweight.scalar_type());
-  const int64_t P = qweight.size(0), K = qweight.size(1);
+  const int64_t P = qweight.size(0);
   TORCH_CHECK(n > 0 && ceil_div(n, kNR) == P, op, ": n=", n, " does not match ", P, " panels of 16");
-  TORCH_CHECK(group_size > 0 && K % group_size == 0, op, ": group_size=", group_size,
-              " must divide K=", K);
-  const int64_t G = K / group_size;
+  TORCH_CHECK(scales.dim() == 3, op, ": scales must be float32 [", P, ", groups, 16], got ", scales.sizes());
+  const int64_t G = scales.size(1);
   for (const at::Tensor* t : {&scales, &zs}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == P &&
                     t->size(1) == G && t->size(2) == kNR,
                 op, ": scales and zs must be contiguous float32 [", P, ", ", G, ", 16], got ", t->sizes(),
                 " ", t->scalar_type());
   }
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, op, ": x must be [..., ", K, "], got ", x.sizes());
+  TORCH_CHECK(group_size > 0 && G > 0 && x.dim() >= 1 && x.size(-1) == G * group_size, op, ": x must be [..., ",
+              G * group_size, "] (", G, " groups of group_size=", group_size, "), got ", x.sizes());
+  const int64_t K = x.size(-1);
+  const KLayout l = bits == 4 ? make_layout<4>(G, group_size, std::make_index_sequence<8>{})
+                              : make_layout<8>(G, group_size, std::make_index_sequence<4>{});
+  TORCH_CHECK(qweight.size(1) * l.kw == G * l.gsp, op, ": qweight has ", qweight.size(1), " blocks, ", G,
+              " groups of ", group_size, " need ", G * l.gsp / l.kw);
   const int64_t* perm_ptr = nullptr;
   at::Tensor perm_c;
   if (perm.has_value() && perm->defined()) {
@@ -243,30 +443,47 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   at::Tensor x2 = x.reshape({M, K});
   if (K > 1 && x2.stride(1) != 1) x2 = x2.contiguous();
   const int64_t ldx = x2.stride(0);
-  at::Tensor apack;
-  const float* ap;
-  if (M == 1 && !perm_ptr && x2.scalar_type() == at::kFloat) {
-    ap = x2.const_data_ptr<float>();
+  const bool dense = M >= kDenseRows;
+#if defined(CPU_BACKEND_HAS_DPBF16)
+  const bool q4_pairs = bits == 4 && !dense && x2.scalar_type() == at::kBFloat16;
+#else
+  constexpr bool q4_pairs = false;
+#endif
+  const int chunk = dense ? kMRD : kMR;
+  KLayout xl = l;  // the dense kernel's weights are already dequantized: x unscaled
+  if (dense) std::fill(std::begin(xl.xs), std::end(xl.xs), 1.0f);
+  const int64_t C = ceil_div(M, chunk);
+  at::Tensor apack = at::empty({C * chunk * G * l.gsp}, x.options().dtype(at::kFloat));
+  at::Tensor asum_t = at::empty({C * chunk * G}, x.options().dtype(at::kFloat));
+  float* ap = apack.mutable_data_ptr<float>();
+  float* asum = asum_t.mutable_data_ptr<float>();
+  if (q4_pairs) {
+#if defined(CPU_BACKEND_HAS_DPBF16)
+    pack_rows_q4_pairs(static_cast<const bf16_t*>(x2.const_data_ptr()), ldx, M, l, perm_ptr,
+                       reinterpret_cast<uint32_t*>(ap), asum);
+#endif
   } else {
-    apack = at::empty({ceil_div(M, kMR) * kMR * K}, x.options().dtype(at::kFloat));
     dispatch_float(x2.scalar_type(), "x", [&](auto tag) {
       using XT = typename decltype(tag)::type;
-      pack_rows(static_cast<const XT*>(x2.const_data_ptr()), ldx, M, K, perm_ptr,
-                apack.mutable_data_ptr<float>());
+      pack_rows(static_cast<const XT*>(x2.const_data_ptr()), ldx, M, xl, perm_ptr, chunk, ap, asum);
     });
-    ap = apack.const_data_ptr<float>();
   }
-  at::Tensor asum_t = at::empty({ceil_div(M, kMR) * kMR * G}, x.options().dtype(at::kFloat));
-  float* asum = asum_t.mutable_data_ptr<float>();
-  group_sums(ap, M, K, group_size, asum);
   const uint8_t* qw = qweight.const_data_ptr<uint8_t>();
+  const float* sc = scales.const_data_ptr<float>();
+  const float* zp = zs.const_data_ptr<float>();
   dispatch_float(out.scalar_type(), "x", [&](auto otag) {
     using OT = typename decltype(otag)::type;
     OT* o = static_cast<OT*>(out.mutable_data_ptr());
-    if (bits == 4) {
-      run<4>(ap, asum, qw, scales.const_data_ptr<float>(), zs.const_data_ptr<float>(), bias_ptr, o, M, n, K, group_size);
+    if (dense) {
+      bits == 4 ? run_dense<4>(ap, qw, sc, zp, bias_ptr, o, M, n, l) : run_dense<8>(ap, qw, sc, zp, bias_ptr, o, M, n, l);
+    } else if (q4_pairs) {
+#if defined(CPU_BACKEND_HAS_DPBF16)
+      run<Q4PairKernel>(reinterpret_cast<const uint32_t*>(ap), asum, qw, sc, zp, bias_ptr, o, M, n, l);
+#endif
+    } else if (bits == 4) {
+      run<QuantKernel<4>>(ap, asum, qw, sc, zp, bias_ptr, o, M, n, l);
     } else {
-      run<8>(ap, asum, qw, scales.const_data_ptr<float>(), zs.const_data_ptr<float>(), bias_ptr, o, M, n, K, group_size);
+      run<QuantKernel<8>>(ap, asum, qw, sc, zp, bias_ptr, o, M, n, l);
     }
   });
   return out;

@@ -12,6 +12,28 @@ namespace cpu_backend {
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Microkernels over few rows (decode) keep this many independent accumulator
+// sets over consecutive k, so the FMAs of one row do not wait on each other
+// (one chain per row is FMA-latency bound: half the GEMV rate on AVX2).
+template <int MR>
+constexpr int kSplitK = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
+
+// Software prefetch along a panel stream, CB_PANEL_PF_BYTES ahead of p, of
+// the BYTES a microkernel step consumes. A thread's panels are contiguous,
+// so at M = 1 this runs on into its next panel: the hardware prefetcher
+// restarts at every panel (a few KB each) and lags a GEMV's demand, and
+// without this the DRAM reads and the compute barely overlap.
+#ifndef CB_PANEL_PF_BYTES
+#define CB_PANEL_PF_BYTES 4096
+#endif
+template <int BYTES>
+inline void prefetch_panel(const void* p) {
+  if constexpr (CB_PANEL_PF_BYTES > 0) {
+    const char* c = static_cast<const char*>(p) + CB_PANEL_PF_BYTES;
+    for (int off = 0; off < BYTES; off += 64) __builtin_prefetch(c + off, 0, 3);
+  }
+}
+
 // Calls f(panel, first_chunk, end_chunk) for every task, on the pool's
 // threads. `work` (about M * N * K) decides whether a parallel region pays.
 template <typename F>

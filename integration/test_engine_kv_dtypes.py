@@ -32,8 +32,10 @@ PROMPT = "Once upon a time, there was a little girl named Lily who"
 # Agreement over all positions depends on the reference text, i.e. on the
 # bf16-KV decode's rounding order: equally exact decode kernels gave texts on
 # which e5m2 agreed 95.9%, 97.2% and 93.8% of all positions (e4m3 97.8%,
-# 95.6%, 95.9%; int8 98-99%, then 96.9%), the misses being near-ties. Hence
-# the bound counts decided positions only. The log-prob bounds, with margin
+# 95.6%, 95.9%; int8 98-99%, then 96.9%), the misses being near-ties. Even
+# the same outputs gave e5m2 93.8% with prompt_logprobs=1 and 93.1% with 2
+# (bf16 logit ties: top-1 is picked differently). Hence the bound counts
+# decided positions only. The log-prob bounds, with margin
 # on every text, stay as they were.
 DECIDED_MARGIN = 0.5
 ACCURACY_BOUNDS = {
@@ -110,16 +112,18 @@ def test_smollm2_quantized_kv_tracks_bf16_kv(smollm2_bf16, bf16_reference, kv_dt
         top_ref = next(t for t, lp in ref[i].items() if lp.rank == 1)
         top_got = next(t for t, lp in got[i].items() if lp.rank == 1)
         second_ref = next(lp.logprob for lp in ref[i].values() if lp.rank == 2)
-        agree += top_ref == top_got
+        same = top_ref == top_got
+        agree += same
         if ref[i][top_ref].logprob - second_ref >= DECIDED_MARGIN:
             decided += 1
-            agree_decided += top_ref == top_got
+            agree_decided += same
         diffs.append(abs(got[i][seq[i]].logprob - ref[i][seq[i]].logprob))
     free_tokens = list(free.outputs[0].token_ids)
     common = next(
         (k for k, (a, b) in enumerate(zip(free_tokens, seq[len(prompt):])) if a != b), len(free_tokens)
     )
     n = len(positions)
+    assert n >= 256 and decided >= n // 2, (n, decided)
     print(
         f"{kv_dtype} vs bf16 KV over {n} teacher-forced steps: top-1 agreement {agree / n:.4f}, "
         f"at the {decided} decided positions {agree_decided / decided:.4f}, "
@@ -127,6 +131,5 @@ def test_smollm2_quantized_kv_tracks_bf16_kv(smollm2_bf16, bf16_reference, kv_dt
         f"free-running greedy equal for the first {common}/{len(free_tokens)} tokens"
     )
     min_agree, max_diff = ACCURACY_BOUNDS[kv_dtype]
-    assert n >= 256 and decided >= n // 2
     assert agree_decided / decided >= min_agree
     assert max(diffs) <= max_diff

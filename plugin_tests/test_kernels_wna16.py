@@ -8,7 +8,8 @@ exact small integers times a fp32 scale, plus zs = -zero*scale rounded once):
 |y - ref| <= 1e-4 * (|x| @ |W|^T + |b|) + 1e-5 for fp32 output; bf16/fp16
 outputs add one rounding of the result (2^-8 / 2^-11 relative).
 Grid: bits 4/8, group -1/32/64/128, sym/asym, act-order (g_idx) or not,
-M = 1, 3, 13 (over one microkernel), N = 48, 40 and 104 (partial panels), K = 128/256,
+M = 1, 3, 13 (over one quantized microkernel), 17 (the dense path of the avx2 and portable
+builds, from 16 rows: several chunks, a partial one), N = 48, 40 and 104 (partial panels), K = 128/256,
 x fp32/bf16/fp16, with and without bias; AWQ 4-bit through the same path; odd K
 (37, 39, 66 in groups of 33, 6 in groups of 2) against the integer view directly.
 """
@@ -69,7 +70,7 @@ def _worker() -> dict:
                         w_ref = ref.gptq_dequantize(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits)
                         back = formats.gptq_unpack(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits)
                         lay = formats.kernel_layout(back["q"], back["zero"], back["scale"], back["g_idx"], bits)
-                        for m in (1, 3, 13):
+                        for m in (1, 3, 13, 17):
                             for dt in (torch.float32, torch.bfloat16, torch.float16):
                                 x = torch.randn(m, k, generator=gen).to(dt)
                                 bias = torch.randn(n, generator=gen).to(dt) if m == 3 else None
@@ -93,16 +94,17 @@ def _worker() -> dict:
             gi = v["g_idx"].long()
             w_ref = (v["q"].double() - v["zero"].double()[:, gi]) * v["scale"].double()[:, gi]
             lay = formats.kernel_layout(v["q"], v["zero"], v["scale"], v["g_idx"], bits)
-            for m in (1, 2, 5):
-                check(f"odd K b{bits} k{k} g{gs} m{m}", torch.randn(m, k, generator=gen), w_ref,
-                      None, lay, bits, 24)
+            for m in (1, 2, 5, 17):
+                for dt in (torch.float32, torch.bfloat16):
+                    check(f"odd K b{bits} k{k} g{gs} m{m} {dt}", torch.randn(m, k, generator=gen).to(dt),
+                          w_ref, None, lay, bits, 24)
     return {"isa": isa, "failures": failures, "cases": cases, "worst_err_over_tol": worst}
 
 
 @pytest.mark.parametrize("isa_path", ISA_PATHS)
 def test_wna16_linear_matches_reference(isa_path):
     result = run_worker(__file__, isa_path)
-    assert result["cases"] >= 896
+    assert result["cases"] >= 1224
     assert result["failures"] == [], result["failures"][:20]
 
 
@@ -112,7 +114,7 @@ def test_wna16_linear_rejects_bad_operands():
     from cpu_backend import ops
 
     ops.load()
-    q = torch.zeros(1, 64, 8, dtype=torch.uint8)
+    q = torch.zeros(1, 8, 64, dtype=torch.uint8)  # 16 columns, K = 2 groups of 32, 4-bit
     s = torch.zeros(1, 2, 16)
     x = torch.randn(1, 64)
     with pytest.raises(RuntimeError, match="bits must be 4 or 8"):

@@ -82,11 +82,34 @@ def test_kernel_layout_act_order_groups():
     v = formats.quantize_rtn(w, 4, 32, False, torch.randperm(64, generator=gen))
     lay = formats.kernel_layout(v["q"], v["zero"], v["scale"], v["g_idx"], 4)
     assert lay["perm"] is not None and lay["group_size"] == 32
-    assert lay["qweight"].shape == (2, 64, 8) and lay["scales"].shape == (2, 2, 16)
+    assert lay["qweight"].shape == (2, 8, 64) and lay["scales"].shape == (2, 2, 16)
     bad = v["g_idx"].clone()
     bad[0] = 1 - bad[0]
     with pytest.raises(ValueError, match="g_idx"):
         formats.kernel_layout(v["q"], v["zero"], v["scale"], bad, 4)
+
+
+@pytest.mark.parametrize("bits, k, gs", [(4, 64, 32), (8, 64, 32), (4, 66, 33), (8, 6, 2)])
+def test_kernel_layout_words(bits, k, gs):
+    """Block b of panel p: 16 little-endian uint32, word c = sum_i q[16p + c, KW*b + i] << bits*i
+    over the group-sorted inputs, each group zero-padded to whole words of KW = 32 / bits."""
+    gen = torch.Generator().manual_seed(2)
+    n = 20
+    v = formats.quantize_rtn(torch.randn(n, k, generator=gen), bits, gs, False)
+    lay = formats.kernel_layout(v["q"], v["zero"], v["scale"], v["g_idx"], bits)
+    kw, g = 32 // bits, k // gs
+    gsp = -(-gs // kw) * kw
+    words = lay["qweight"].view(torch.int32).reshape(2, g * gsp // kw, 16).to(torch.int64) & 0xFFFFFFFF
+    for p in range(2):
+        for c in range(16):
+            col = 16 * p + c
+            padded = [0] * (g * gsp)
+            if col < n:
+                for j in range(k):
+                    padded[(j // gs) * gsp + j % gs] = int(v["q"][col, j])
+            for b in range(g * gsp // kw):
+                want = sum(padded[kw * b + i] << (bits * i) for i in range(kw))
+                assert int(words[p, b, c]) == want, (p, b, c)
 
 
 # ------------------------------------------------------------- the tool ---

@@ -196,8 +196,14 @@ def ct_unpack(weight_packed, weight_scale, weight_zero_point, bits: int) -> dict
 def kernel_layout(q, zero, scale, g_idx, bits: int) -> dict:
     """Integer view -> the operands of cpu_backend::wna16_linear.
 
-    Returns qweight [P, K, 8|16] uint8, scales / zs [P, G, 16] float32,
+    Returns qweight [P, B, 64] uint8, scales / zs [P, G, 16] float32,
     group_size, and perm [K] int64 or None (None when g_idx is k // group_size).
+    Panel p holds output columns 16p .. 16p+15 (columns >= N are zero, scale 0).
+    Its inputs, sorted by group, are cut into words of KW = 32 / bits
+    consecutive inputs (each group padded with zero weights to a multiple of
+    KW); block b is 16 little-endian 32-bit words, word c = sum over i < KW of
+    q[16p + c, KW*b + i] << (bits*i). One 64-byte load thus gives KW inputs of
+    16 columns, and the kernel takes field i out with one AND (or one shift).
     Raises ValueError when the groups of g_idx are not all the same size.
     """
     n, k = q.shape
@@ -209,17 +215,23 @@ def kernel_layout(q, zero, scale, g_idx, bits: int) -> dict:
     gs = k // g
     perm = torch.sort(gi, stable=True).indices
     identity = bool((perm == torch.arange(k)).all())
-    qs = q if identity else q[:, perm]
+    qs = (q if identity else q[:, perm]).to(torch.uint8)
+    kw = 32 // bits
+    gsp = -(-gs // kw) * kw  # group padded to whole words
     p = -(-n // KERNEL_NR)
     pad = p * KERNEL_NR - n
-    qs = torch.nn.functional.pad(qs.to(torch.uint8), (0, 0, 0, pad))  # [P*16, K]
-    panels = qs.reshape(p, KERNEL_NR, k).permute(0, 2, 1)  # [P, K, 16]
+    qs = qs.reshape(n, g, gs)
+    qs = torch.nn.functional.pad(qs, (0, gsp - gs, 0, 0, 0, pad))  # [P*16, G, gsp]
+    words = qs.reshape(p * KERNEL_NR, g * gsp // kw, 4, 8 // bits)  # [.., B, byte, field in byte]
     if bits == 4:
-        panels = panels[..., :8] | (panels[..., 8:] << 4)
+        words = words[..., 0] | (words[..., 1] << 4)
+    else:
+        words = words[..., 0]
+    blocks = words.reshape(p, KERNEL_NR, -1, 4).permute(0, 2, 1, 3)  # [P, B, 16, 4]
     s = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
     zs = torch.nn.functional.pad(-zero.float() * scale.float(), (0, 0, 0, pad))
     return {
-        "qweight": panels.contiguous(),
+        "qweight": blocks.reshape(p, -1, 64).contiguous(),
         "scales": s.reshape(p, KERNEL_NR, g).permute(0, 2, 1).contiguous(),
         "zs": zs.reshape(p, KERNEL_NR, g).permute(0, 2, 1).contiguous(),
         "group_size": gs,

@@ -121,8 +121,10 @@ inline fp16_t from_f32<fp16_t>(float v) { return to_fp16(v); }
 
 #if defined(__GNUC__)
 #define CB_ALWAYS_INLINE inline __attribute__((always_inline))
+#define CB_ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
 #define CB_UNROLL _Pragma("GCC unroll 32")
 #else
 #define CB_ALWAYS_INLINE inline
+#define CB_ALWAYS_INLINE_LAMBDA
 #define CB_UNROLL
 #endif
