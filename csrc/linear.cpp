@@ -12,9 +12,9 @@
 // broadcast-FMAs; it writes the fp32 tile to a small buffer, from which the
 // epilogue adds the bias and narrows to the output dtype. bf16 x with bf16
 // weights on the avx512 build: x chunks hold bf16 pairs and the microkernel
-// does MR x NR/16 VDPBF16PS per pair of k (fp32 accumulation). With one or two
-// rows (decode) the microkernel keeps 4 or 2 accumulator sets over consecutive
-// k and prefetches the panel stream 4 KB ahead. Work is split over
+// does MR x NR/16 VDPBF16PS per pair of k (fp32 accumulation). The
+// microkernels prefetch the panel stream 4 KB ahead and, with one or two rows
+// (decode), keep 4 or 2 accumulator sets over consecutive k. Work is split over
 // panels (and over row blocks when there are few panels) with at::parallel_for,
 // so a thread keeps its panel in L1/L2 while it walks the row chunks.
 #include <ATen/Parallel.h>
