@@ -50,7 +50,11 @@ def test_streaming_completion_equals_non_streaming(client):
 
 
 def test_chat_completion(client):
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # A question the bf16 model answers with a clear greedy lead (top-1 ahead
+    # of top-2 by >= 0.75 nats at each token up to "Paris", measured). "What is
+    # the capital of France?" ties exactly in bf16 at its first token ("The" and
+    # "L", both -1.835), so any change in summation order may flip its answer.
+    messages = [{"role": "user", "content": "Name the capital city of France."}]
     out = client.chat.completions.create(
         model="smol", messages=messages, max_tokens=32, temperature=0
     )
