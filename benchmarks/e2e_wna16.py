@@ -1,14 +1,19 @@
 """End to end: batch-1 decode of an int4 GPTQ checkpoint vs the bf16 model, on
-our plugin (one fresh subprocess per variant).
+our plugin (one fresh subprocess per variant), each with its LM head in bf16
+and with `VLLM_CPU_BACKEND_LM_HEAD_QUANT=int8`.
 
     .venv/bin/python -m benchmarks.e2e_wna16 [--isa avx2|avx512|portable] [--tokens 64] [--repeat 3]
 
 Model: integration/models.qwen25_05b_shape (Qwen2.5-0.5B's shape, random bf16
-weights, tied 151936 x 896 embedding / LM head kept in bf16), quantized once
-by `cpu_backend.tools.quantize` (GPTQ 4-bit, group 128, sym) into the model
-cache. Each variant: LLM(dtype=bfloat16), one warm-up generation, then
-`--repeat` greedy generations of `--tokens` tokens from a 16-token prompt;
-decode tok/s = (tokens - 1) / (total time - time to first token), median.
+weights, tied 151936 x 896 embedding / LM head, which the checkpoint keeps in
+bf16), quantized once by `cpu_backend.tools.quantize` (GPTQ 4-bit, group 128,
+sym) into the model cache. Each variant: LLM(dtype=bfloat16), one warm-up
+generation, then `--repeat` greedy generations of `--tokens` tokens from a
+16-token prompt; decode tok/s = (tokens - 1) / (total time - time to first
+token), median. Bytes read per token: every stored weight once (the tied
+embedding once, as the head; an int8 head as its int8 copy plus two fp32 per
+row); read bandwidth: torch.sum over 512 MiB on 2 threads before and after the
+variants (benchmarks/e2e.py), the higher median taken as the roofline.
 Threads: `VLLM_CPU_OMP_THREADS_BIND=0-1` unless set (both cores of this
 machine, as in benchmarks/e2e.py; the default `auto` keeps one core of two
 for the engine process). Writes benchmarks/results/e2e_wna16.md
@@ -25,6 +30,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,7 +58,21 @@ def worker(model: str, tokens: int, repeat: int) -> dict:
         rates.append((tokens - 1) / ((t2 - t1) - (t1 - t0)))
     (rep,) = llm.collective_rpc("cpu_backend_report")
     return {"decode_tok_s": statistics.median(rates), "samples": rates,
-            "linear_methods": rep["linear_methods"], "isa": rep["kernels_isa"]}
+            "linear_methods": rep["linear_methods"], "isa": rep["kernels_isa"],
+            "lm_head_quant": rep["lm_head_quant"]}
+
+
+def bytes_per_token(folder: Path, int8_head: bool) -> int:
+    """What one decode step reads: the checkpoint's weights at bf16 (benchmarks/e2e.py),
+    with the tied embedding counted once, as the LM head, or as its int8 copy."""
+    from benchmarks.e2e import weight_bytes
+
+    total = weight_bytes(folder, "bfloat16")
+    if int8_head:
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            vocab, hidden = f.get_slice("model.embed_tokens.weight").get_shape()
+        total -= vocab * hidden * 2 - (vocab * hidden + vocab * 8)
+    return total
 
 
 def main() -> None:
@@ -74,10 +95,14 @@ def main() -> None:
     int4 = Path(os.environ.get("CPU_BACKEND_WNA16_OUT", bf16.parent / (bf16.name + "-gptq4-g128")))
     if not (int4 / "model.safetensors").exists():
         quantize_checkpoint(bf16, int4, "gptq", 4, 128, True)
+    from benchmarks.e2e import memory_bandwidth
+
+    bandwidth = [statistics.median(memory_bandwidth())]
     rows = []
-    for name, model in (("bf16", bf16), ("gptq int4 g128", int4)):
+    for name, model, head in (("bf16", bf16, "none"), ("bf16, int8 LM head", bf16, "int8"),
+                              ("gptq int4 g128", int4, "none"), ("gptq int4 g128, int8 LM head", int4, "int8")):
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", **os.environ, "VLLM_CPU_BACKEND_ISA": a.isa,
-               "PYTHONPATH": str(REPO)}
+               "VLLM_CPU_BACKEND_LM_HEAD_QUANT": head, "PYTHONPATH": str(REPO)}
         proc = subprocess.run([sys.executable, "-m", "benchmarks.e2e_wna16", "--worker", str(model),
                                "--tokens", str(a.tokens), "--repeat", str(a.repeat)],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
@@ -85,15 +110,24 @@ def main() -> None:
         if proc.returncode or not line:
             print(proc.stderr[-3000:], file=sys.stderr)
             raise SystemExit(f"{name} failed")
-        rows.append((name, json.loads(line[-1][7:])))
+        r = json.loads(line[-1][7:])
+        if r["lm_head_quant"] != [head]:
+            raise SystemExit(f"{name}: the worker ran LM head {r['lm_head_quant']}, not {head}")
+        rows.append((name, r, bytes_per_token(model, head == "int8")))
+    bandwidth.append(statistics.median(memory_bandwidth()))
+    roof = max(bandwidth)
     base = rows[0][1]["decode_tok_s"]
     text = ["# Batch-1 decode: GPTQ int4 vs bf16 (Qwen2.5-0.5B shape, our plugin)", "",
             f"ISA library {a.isa}; VLLM_CPU_OMP_THREADS_BIND="
             f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '0-1')}; {a.tokens} tokens, median of {a.repeat}; "
-            "shared 2-core machine.", "",
-            "| model | decode tok/s | vs bf16 | linear methods |", "|---|---|---|---|"]
-    for name, r in rows:
+            f"read bandwidth before / after the runs {bandwidth[0]:.1f} / {bandwidth[1]:.1f} GB/s "
+            f"(torch.sum, 2 threads); shared 2-core machine.", "",
+            "| model | decode tok/s | vs bf16 | MB read per token | GB/s | % of read bandwidth | linear methods |",
+            "|---|---|---|---|---|---|---|"]
+    for name, r, nbytes in rows:
+        gbs = r["decode_tok_s"] * nbytes / 1e9
         text.append(f"| {name} | {r['decode_tok_s']:.2f} | {r['decode_tok_s'] / base:.2f}x | "
+                    f"{nbytes / 1e6:.0f} | {gbs:.1f} | {100 * gbs / roof:.0f} | "
                     f"{', '.join(r['linear_methods'])} |")
     stem = "e2e_wna16" if a.isa == "avx2" else f"e2e_wna16_{a.isa}"
     out = REPO / "benchmarks" / "results" / f"{stem}.md"

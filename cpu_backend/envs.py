@@ -19,6 +19,9 @@ MOE_PREPACK = "VLLM_CPU_MOE_PREPACK"
 SGL_KERNEL = "VLLM_CPU_SGL_KERNEL"
 # Ours: force an ISA path (see cpu_backend.isa), e.g. "portable" in tests.
 BACKEND_ISA = "VLLM_CPU_BACKEND_ISA"
+# Ours: run an unquantized LM head on an int8 copy of its weight.
+LM_HEAD_QUANT = "VLLM_CPU_BACKEND_LM_HEAD_QUANT"
+LM_HEAD_QUANT_CHOICES = ("none", "int8")
 # The host's own flags, read with bool(int(...)) deep inside its workers.
 HOST_INT_FLAGS = ("VLLM_CPU_CI_ENV", "VLLM_CPU_ATTN_SPLIT_KV", "VLLM_CPU_INT4_W4A8")
 
@@ -145,6 +148,14 @@ def sgl_kernel() -> bool | None:
     return _flag(SGL_KERNEL)
 
 
+def lm_head_quant() -> str:
+    """`VLLM_CPU_BACKEND_LM_HEAD_QUANT`: 'none' (default) or 'int8'."""
+    value = (_raw(LM_HEAD_QUANT) or "none").lower()
+    if value not in LM_HEAD_QUANT_CHOICES:
+        raise EnvError(LM_HEAD_QUANT, os.environ[LM_HEAD_QUANT], f"one of {list(LM_HEAD_QUANT_CHOICES)}")
+    return value
+
+
 def host_int_flags() -> None:
     """The host's integer flags must parse as the host parses them."""
     for name in HOST_INT_FLAGS:
@@ -163,3 +174,4 @@ def validate_all() -> None:
     num_reserved_cpus()
     moe_prepack()
     sgl_kernel()
+    lm_head_quant()

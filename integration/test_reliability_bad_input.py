@@ -133,6 +133,7 @@ BAD_ENV = [
     ("VLLM_CPU_MOE_PREPACK", "yes"),
     ("VLLM_CPU_SGL_KERNEL", "2"),
     ("VLLM_CPU_BACKEND_ISA", "sse9"),
+    ("VLLM_CPU_BACKEND_LM_HEAD_QUANT", "int4"),
     ("VLLM_CPU_CI_ENV", "yes"),
     ("VLLM_CPU_ATTN_SPLIT_KV", "on"),
     ("VLLM_CPU_INT4_W4A8", "true"),

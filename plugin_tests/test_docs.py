@@ -72,6 +72,7 @@ BAD_ENV_VALUES = [
     ("VLLM_CPU_NUM_OF_RESERVED_CPU", "-1", "num_reserved_cpus"),
     ("VLLM_CPU_MOE_PREPACK", "yes", "moe_prepack"),
     ("VLLM_CPU_SGL_KERNEL", "true", "sgl_kernel"),
+    ("VLLM_CPU_BACKEND_LM_HEAD_QUANT", "int4", "lm_head_quant"),
 ]
 
 

@@ -23,6 +23,7 @@ from cpu_backend import envs, isa
         ("VLLM_CPU_MOE_PREPACK", "yes"),
         ("VLLM_CPU_SGL_KERNEL", "2"),
         ("VLLM_CPU_BACKEND_ISA", "sse9"),
+        ("VLLM_CPU_BACKEND_LM_HEAD_QUANT", "int4"),
         # Set but empty: the host would int('') inside its workers.
         ("VLLM_CPU_KVCACHE_SPACE", ""),
         ("VLLM_CPU_NUM_OF_RESERVED_CPU", " "),
@@ -49,6 +50,14 @@ def test_kvcache_space(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.5")  # the host int()s it in every process
     with pytest.raises(envs.EnvError, match="--kv-cache-memory-bytes"):
         envs.kvcache_space_bytes()
+
+
+def test_lm_head_quant(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_BACKEND_LM_HEAD_QUANT", raising=False)
+    assert envs.lm_head_quant() == "none"
+    for value, mode in (("int8", "int8"), (" INT8 ", "int8"), ("none", "none"), ("", "none")):
+        monkeypatch.setenv("VLLM_CPU_BACKEND_LM_HEAD_QUANT", value)
+        assert envs.lm_head_quant() == mode
 
 
 def test_threads_bind(monkeypatch):

@@ -23,7 +23,9 @@ from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 from vllm.model_executor.layers import linear as host_linear
 from vllm.model_executor.layers import vocab_parallel_embedding as host_vocab
 
+from cpu_backend import envs
 from cpu_backend.ops import linear as kernels
+from cpu_backend.quantization import lm_head
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -83,9 +85,28 @@ class CpuBackendLinearMethod(_PackedGemm, host_linear.UnquantizedLinearMethod):
 
 
 class CpuBackendLMHeadMethod(_PackedGemm, host_vocab.UnquantizedEmbeddingMethod):
-    """The LM head's logits GEMM; the weight stays (tied embeddings read it)."""
+    """The LM head's logits GEMM; the weight stays (tied embeddings read it).
+
+    With `VLLM_CPU_BACKEND_LM_HEAD_QUANT=int8` the GEMM runs on an int8
+    copy instead of a packed one (cpu_backend/quantization/lm_head.py)."""
 
     keeps_original_weight = True
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        mode = envs.lm_head_quant()
+        if mode == "none" or not _packable(layer):
+            super().process_weights_after_loading(layer)
+            return
+        layer.cpu_backend_lm_head = lm_head.quantize_head(layer.weight.data, mode)
+        logger.info_once("cpu_backend: LM head %s logits run on an %s copy (%.0f MB; %s)",
+                         tuple(layer.weight.shape), mode, layer.cpu_backend_lm_head.nbytes() / 1e6,
+                         envs.LM_HEAD_QUANT)
+
+    def apply(self, layer, x, bias=None):
+        head = getattr(layer, "cpu_backend_lm_head", None)
+        if head is None:
+            return super().apply(layer, x, bias)
+        return head.logits(x if x.stride(-1) == 1 else x.contiguous(), bias)
 
 
 def _swapping_subclass(base: type, host_method: type, ours: type) -> type:

@@ -146,6 +146,10 @@ class CpuBackendWorker(CPUWorker):
                 {type(m.quant_method).__name__ for m in model.modules()
                  if isinstance(m, (LinearBase, ParallelLMHead))}
             ),
+            "lm_head_quant": sorted(
+                {getattr(getattr(m, "cpu_backend_lm_head", None), "mode", "none")
+                 for m in model.modules() if isinstance(m, ParallelLMHead)}
+            ),
             "rms_norm_providers": {
                 op: getattr(ir.ops, op).get_priority() for op in ("rms_norm", "fused_add_rms_norm")
             },
