@@ -105,9 +105,14 @@ def run_all(args) -> list[dict]:
     return results
 
 
+def forced_isa() -> str:
+    """The ISA library this run forces ('' = auto-detected)."""
+    return os.environ.get(ISA_VAR, "").strip()
+
+
 def isa_prefix() -> str:
-    """The forced ISA library of this run, as the command's env prefix ('' = auto-detected)."""
-    return f"{ISA_VAR}={os.environ[ISA_VAR]} " if os.environ.get(ISA_VAR) else ""
+    """The forced ISA library of this run, as the command's env prefix."""
+    return f"{ISA_VAR}={forced_isa()} " if forced_isa() else ""
 
 
 def report(args, results: list[dict]) -> str:
@@ -156,8 +161,8 @@ def main(argv=None) -> int:
         return 0
     results = run_all(args)
     stem = "kv_cache_quick" if args.quick else "kv_cache"
-    if os.environ.get(ISA_VAR):
-        stem += f"_{os.environ[ISA_VAR]}"
+    if forced_isa():
+        stem += f"_{forced_isa()}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     text = report(args, results)

@@ -75,6 +75,25 @@ constexpr int64_t kDenseRows = 16;
 constexpr int64_t kBlockBytes = 64;  // 16 uint32 words
 
 
+// Per group the kernels keep S accumulator sets of MR rows (independent
+// chains); these zero them and, at the group's end, sum them and add the
+// group: acc += sum * scale + asum * zs.
+template <int S, int MR>
+static CB_ALWAYS_INLINE void zero_sets(Vec (&sets)[S][MR]) {
+  CB_UNROLL for (int u = 0; u < S; ++u) {
+    CB_UNROLL for (int m = 0; m < MR; ++m) sets[u][m] = Vec::zero();
+  }
+}
+template <int S, int MR>
+static CB_ALWAYS_INLINE void add_group(Vec (&acc)[MR], const Vec (&sets)[S][MR], Vec sv, Vec zv,
+                                       const float* asum) {
+  CB_UNROLL for (int m = 0; m < MR; ++m) {
+    Vec t = sets[0][m];
+    CB_UNROLL for (int u = 1; u < S; ++u) t = t + sets[u][m];
+    acc[m] = fma(Vec::broadcast(asum[m]), zv, fma(t, sv, acc[m]));
+  }
+}
+
 // c[MR][16] = a-chunk [G*gsp][MR] @ dequantized panel. Per group: gacc =
 // sum_k a[k] * q[k] (integer weights, exact in fp32; a carries the field
 // scale), then acc += gacc * scale + asum * zs with asum[g][m] the group's
@@ -107,21 +126,12 @@ struct QuantKernel {
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = Vec::zero();
     for (int64_t g = 0; g < G; ++g) {
       Vec gacc[KU][MR];
-      CB_UNROLL for (int u = 0; u < KU; ++u) {
-        CB_UNROLL for (int m = 0; m < MR; ++m) gacc[u][m] = Vec::zero();
-      }
+      zero_sets(gacc);
       for (int64_t b = 0; b < group_blocks; ++b, q += kBlockBytes, a += KW * MR) {
         prefetch_panel<kBlockBytes>(q);
         block<MR, KU>(q, a, gacc, std::make_index_sequence<KW>{});
       }
-      CB_UNROLL for (int u = 1; u < KU; ++u) {
-        CB_UNROLL for (int m = 0; m < MR; ++m) gacc[0][m] = gacc[0][m] + gacc[u][m];
-      }
-      const Vec sv = Vec::load(s + g * kNR);
-      const Vec zv = Vec::load(zs + g * kNR);
-      CB_UNROLL for (int m = 0; m < MR; ++m) {
-        acc[m] = fma(Vec::broadcast(asum[g * MR + m]), zv, fma(gacc[0][m], sv, acc[m]));
-      }
+      add_group(acc, gacc, Vec::load(s + g * kNR), Vec::load(zs + g * kNR), asum + g * MR);
     }
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m].store(c + m * kNR);
   }
@@ -146,14 +156,14 @@ struct Q4PairKernel {
   static constexpr int KW = 8;
 
   template <int MR, int KU, int J>
-  static CB_ALWAYS_INLINE void pair(const uint8_t* q, const uint32_t* a, Vec (&gacc)[KU][MR]) {
+  static CB_ALWAYS_INLINE void pair(const uint8_t* q, const uint32_t* a, Vec (*gacc)[MR]) {
     const VecBF16x32 w = q4_bf16_pair<J>(q);
     CB_UNROLL for (int m = 0; m < MR; ++m) {
       gacc[J % KU][m] = dot2_bf16(gacc[J % KU][m], VecBF16x32::broadcast_pair(a[J * MR + m]), w);
     }
   }
   template <int MR, int KU, size_t... J>
-  static CB_ALWAYS_INLINE void block(const uint8_t* q, const uint32_t* a, Vec (&gacc)[KU][MR],
+  static CB_ALWAYS_INLINE void block(const uint8_t* q, const uint32_t* a, Vec (*gacc)[MR],
                                      std::index_sequence<J...>) {
     prefetch_panel<kBlockBytes>(q);
     (pair<MR, KU, int(J)>(q, a, gacc), ...);
@@ -171,32 +181,20 @@ struct Q4PairKernel {
     Vec acc[MR];
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = Vec::zero();
     for (int64_t g = 0; g < G; ++g) {
-      Vec gacc[2][KU][MR];
-      CB_UNROLL for (int h = 0; h < 2; ++h) {
-        CB_UNROLL for (int u = 0; u < KU; ++u) {
-          CB_UNROLL for (int m = 0; m < MR; ++m) gacc[h][u][m] = Vec::zero();
-        }
-      }
+      Vec gacc[2 * KU][MR];  // sets 0..KU-1: even blocks, KU..2KU-1: odd blocks
+      zero_sets(gacc);
       int64_t b = 0;
       for (; b + 2 <= group_blocks; b += 2, q += 2 * kBlockBytes, a += 2 * kA) {
-        block<MR, KU>(q, a, gacc[0], pairs);
-        block<MR, KU>(q + kBlockBytes, a + kA, gacc[1], pairs);
+        block<MR, KU>(q, a, gacc, pairs);
+        block<MR, KU>(q + kBlockBytes, a + kA, gacc + KU, pairs);
       }
       if (b < group_blocks) {
-        block<MR, KU>(q, a, gacc[0], pairs);
+        block<MR, KU>(q, a, gacc, pairs);
         q += kBlockBytes;
         a += kA;
       }
-      CB_UNROLL for (int m = 0; m < MR; ++m) {
-        Vec t = gacc[0][0][m] + gacc[1][0][m];
-        CB_UNROLL for (int u = 1; u < KU; ++u) t = t + gacc[0][u][m] + gacc[1][u][m];
-        gacc[0][0][m] = t;
-      }
       const Vec sv = Vec::load(s + g * kNR);
-      const Vec zv = fma(Vec::broadcast(-kQ4PairBias), sv, Vec::load(zs + g * kNR));
-      CB_UNROLL for (int m = 0; m < MR; ++m) {
-        acc[m] = fma(Vec::broadcast(asum[g * MR + m]), zv, fma(gacc[0][0][m], sv, acc[m]));
-      }
+      add_group(acc, gacc, sv, fma(Vec::broadcast(-kQ4PairBias), sv, Vec::load(zs + g * kNR)), asum + g * MR);
     }
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m].store(c + m * kNR);
   }
@@ -234,8 +232,8 @@ void for_chunk_rows(int64_t M, int chunk, int64_t per_row, F&& f) {
 }
 
 // x rows (through perm when given) -> fp32 chunks of `chunk` rows laid out
-// [G * gsp][mr], value times l.xs of its field, zero in group padding; and
-// asum[c][g][mr] = the group's sum of the unscaled values.
+// [G * gsp][mr], value times l.xs of its field, zero in group padding; and,
+// unless asum is null, asum[c][g][mr] = the group's sum of the unscaled values.
 template <typename XT>
 void pack_rows(const XT* x, int64_t ldx, int64_t M, const KLayout& l, const int64_t* perm, int chunk,
                float* ap, float* asum) {
@@ -252,7 +250,7 @@ void pack_rows(const XT* x, int64_t ldx, int64_t M, const KLayout& l, const int6
         d[j * mr] = v * l.xs[j & (l.kw - 1)];
       }
       for (int64_t j = l.gs; j < l.gsp; ++j) d[j * mr] = 0.0f;
-      asum[c * chunk * l.G + g * mr + m] = t;
+      if (asum) asum[c * chunk * l.G + g * mr + m] = t;
     }
   });
 }
@@ -341,51 +339,58 @@ constexpr auto make_dense_table(std::index_sequence<I...>) {
   return std::array<Fn, sizeof...(I)>{&DenseKernel::template run<int(I) + 1>...};
 }
 
-template <int BITS, typename OT>
-void run_dense(const float* ap, const uint8_t* qw, const float* sc, const float* zs, const float* bias, OT* out,
-               int64_t M, int64_t N, const KLayout& l) {
-  static constexpr auto kernels = make_dense_table(std::make_index_sequence<kMRD>{});
-  const int64_t Kp = l.G * l.gsp, group_blocks = l.gsp / l.kw;
+// Every (panel p, chunk c of CH rows) tile, split over threads by
+// parallel_panels. A task of panel p calls task(p) once (its set-up) for a
+// chunk_fn; chunk_fn(c, mr, tile) fills chunk c's fp32 tile (mr rows), which
+// is then stored with the bias.
+template <int CH, typename OT, typename Task>
+void for_tiles(int64_t M, int64_t N, int64_t work, const float* bias, OT* out, Task&& task) {
   const int64_t P = ceil_div(N, kNR);
-  const int64_t C = ceil_div(M, kMRD);
-  parallel_panels(P, C, M * N * Kp, [&](int64_t p, int64_t c_begin, int64_t c_end) {
-    alignas(64) float tile[kMRD * kNR];
-    thread_local std::vector<float> wbuf;
-    if (wbuf.size() < size_t(Kp * kNR)) wbuf.resize(Kp * kNR);
-    Dequant<BITS>::panel(qw + p * l.G * group_blocks * kBlockBytes, sc + p * l.G * kNR, zs + p * l.G * kNR, l.G,
-                         group_blocks, wbuf.data());
+  parallel_panels(P, ceil_div(M, CH), work, [&](int64_t p, int64_t c_begin, int64_t c_end) {
+    alignas(64) float tile[CH * kNR];
+    auto chunk_fn = task(p);
     const float* pb = bias ? bias + p * kNR : nullptr;
     const int nn = int(std::min<int64_t>(kNR, N - p * kNR));
     for (int64_t c = c_begin; c < c_end; ++c) {
-      const int64_t r0 = c * kMRD;
-      const int mr = int(std::min<int64_t>(kMRD, M - r0));
-      kernels[mr - 1](ap + c * kMRD * Kp, wbuf.data(), Kp, tile);
+      const int64_t r0 = c * CH;
+      const int mr = int(std::min<int64_t>(CH, M - r0));
+      chunk_fn(c, mr, tile);
       store_tile(tile, mr, pb, out + r0 * N + p * kNR, N, nn);
     }
   });
 }
 
+// Dense path: each task dequantizes its panel once, then DenseKernel per chunk.
+template <int BITS, typename OT>
+void run_dense(const float* ap, const uint8_t* qw, const float* sc, const float* zs, const float* bias, OT* out,
+               int64_t M, int64_t N, const KLayout& l) {
+  static constexpr auto kernels = make_dense_table(std::make_index_sequence<kMRD>{});
+  const int64_t Kp = l.G * l.gsp, group_blocks = l.gsp / l.kw;
+  for_tiles<kMRD>(M, N, M * N * Kp, bias, out, [&](int64_t p) {
+    thread_local std::vector<float> wbuf;
+    if (wbuf.size() < size_t(Kp * kNR)) wbuf.resize(Kp * kNR);
+    Dequant<BITS>::panel(qw + p * l.G * group_blocks * kBlockBytes, sc + p * l.G * kNR, zs + p * l.G * kNR, l.G,
+                         group_blocks, wbuf.data());
+    const float* w = wbuf.data();
+    return [=](int64_t c, int mr, float* tile) { kernels[mr - 1](ap + c * kMRD * Kp, w, Kp, tile); };
+  });
+}
+
+// Quantized path: Kern straight on the packed panel.
 template <typename Kern, typename OT>
 void run(const typename Kern::AT* ap, const float* asum, const uint8_t* qw, const float* sc, const float* zs,
          const float* bias, OT* out, int64_t M, int64_t N, const KLayout& l) {
   static constexpr auto kernels = make_table<Kern>(std::make_index_sequence<kMR>{});
   const int64_t Kp = l.G * l.gsp, group_blocks = l.gsp / l.kw;
   const int64_t KA = Kp / Kern::kInputsPerA;  // a values per row of a chunk
-  const int64_t P = ceil_div(N, kNR);
-  const int64_t C = ceil_div(M, kMR);
-  parallel_panels(P, C, M * N * Kp, [&](int64_t p, int64_t c_begin, int64_t c_end) {
-    alignas(64) float tile[kMR * kNR];
+  for_tiles<kMR>(M, N, M * N * Kp, bias, out, [&](int64_t p) {
     const uint8_t* panel = qw + p * l.G * group_blocks * kBlockBytes;
     const float* ps = sc + p * l.G * kNR;
     const float* pz = zs + p * l.G * kNR;
-    const float* pb = bias ? bias + p * kNR : nullptr;
-    const int nn = int(std::min<int64_t>(kNR, N - p * kNR));
-    for (int64_t c = c_begin; c < c_end; ++c) {
-      const int64_t r0 = c * kMR;
-      const int mr = int(std::min<int64_t>(kMR, M - r0));
-      kernels[mr - 1](ap + c * kMR * KA, asum + c * kMR * l.G, panel, ps, pz, l.G, group_blocks, tile);
-      store_tile(tile, mr, pb, out + r0 * N + p * kNR, N, nn);
-    }
+    const int64_t G = l.G;
+    return [=](int64_t c, int mr, float* tile) {
+      kernels[mr - 1](ap + c * kMR * KA, asum + c * kMR * G, panel, ps, pz, G, group_blocks, tile);
+    };
   });
 }
 
@@ -454,9 +459,10 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   if (dense) std::fill(std::begin(xl.xs), std::end(xl.xs), 1.0f);
   const int64_t C = ceil_div(M, chunk);
   at::Tensor apack = at::empty({C * chunk * G * l.gsp}, x.options().dtype(at::kFloat));
-  at::Tensor asum_t = at::empty({C * chunk * G}, x.options().dtype(at::kFloat));
+  at::Tensor asum_t;  // the zero term's sums of x per group: the dense path has no zero term
+  if (!dense) asum_t = at::empty({C * chunk * G}, x.options().dtype(at::kFloat));
   float* ap = apack.mutable_data_ptr<float>();
-  float* asum = asum_t.mutable_data_ptr<float>();
+  float* asum = dense ? nullptr : asum_t.mutable_data_ptr<float>();
   if (q4_pairs) {
 #if defined(CPU_BACKEND_HAS_DPBF16)
     pack_rows_q4_pairs(static_cast<const bf16_t*>(x2.const_data_ptr()), ldx, M, l, perm_ptr,
