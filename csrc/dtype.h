@@ -24,6 +24,10 @@ struct CType<c10::Half> {
   using type = fp16_t;
 };
 
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
 // Calls f(tag) with tag's ::type the kernel element type for dtype.
 template <typename F>
 void dispatch_float(at::ScalarType dtype, const char* what, F&& f) {

@@ -300,10 +300,6 @@ void run_linear(const typename Kern::AT* ap, const WT* wp, const float* bias, OT
   });
 }
 
-bool is_supported_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
-
 }  // namespace
 
 std::string isa() { return CPU_BACKEND_ISA_NAME; }
@@ -332,7 +328,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t n,
-                  const std::optional<at::Tensor>& bias) {
+                  const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
   const at::Tensor& pw = packed_weight;
   TORCH_CHECK(x.device().is_cpu() && pw.device().is_cpu(), "cpu_backend::linear: tensors must be on CPU");
   TORCH_CHECK(pw.dim() == 3 && pw.size(2) == kNR,
@@ -350,9 +346,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t 
   TORCH_CHECK(is_supported_float(x.scalar_type()),
               "cpu_backend::linear: x must be float32, bfloat16 or float16, got ", x.scalar_type());
 
+  const at::ScalarType out_type = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(is_supported_float(out_type),
+              "cpu_backend::linear: out_dtype must be float32, bfloat16 or float16, got ", out_type);
+
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty(out_shape, x.options().dtype(out_type).memory_format(at::MemoryFormat::Contiguous));
   const int64_t M = n == 0 ? 0 : out.numel() / n;
   if (M == 0 || n == 0) return out;
 

@@ -398,7 +398,8 @@ void run(const typename Kern::AT* ap, const float* asum, const uint8_t* qw, cons
 
 at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& zs, int64_t bits, int64_t group_size, int64_t n,
-                        const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias,
+                        std::optional<at::ScalarType> out_dtype) {
   const char* op = "cpu_backend::wna16_linear";
   TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
   TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.size(2) == kBlockBytes &&
@@ -431,9 +432,12 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
     perm_ptr = perm_c.const_data_ptr<int64_t>();
   }
 
+  const at::ScalarType out_type = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(is_supported_float(out_type), op, ": out_dtype must be float32, bfloat16 or float16, got ",
+              out_type);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = at::empty(out_shape, x.options().dtype(out_type).memory_format(at::MemoryFormat::Contiguous));
   const int64_t M = out.numel() / n;
   if (M == 0) return out;
 
@@ -500,7 +504,7 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 TORCH_LIBRARY_FRAGMENT(cpu_backend, m) {
   m.def(
       "wna16_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zs, int bits, int group_size, int n, "
-      "Tensor? perm=None, Tensor? bias=None) -> Tensor");
+      "Tensor? perm=None, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cpu_backend, CPU, m) { m.impl("wna16_linear", &cpu_backend::wna16_linear); }

@@ -22,9 +22,10 @@ bool linear_pack_pairs(at::ScalarType dtype);
 // weight [N, K] (bf16/fp16/fp32) -> [ceil(N/NR), K, NR], same dtype, zero padded.
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 
-// y[..., n] = x[..., K] @ W^T + bias, W given packed; y has x's dtype.
+// y[..., n] = x[..., K] @ W^T + bias, W given packed; y has x's dtype unless
+// out_dtype is given (the LM head asks for float32 logits).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t n,
-                  const std::optional<at::Tensor>& bias);
+                  const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype);
 
 // Paged attention (attention.cpp): query token t of request token_req[t] at
 // position token_pos[t] attends that request's cached keys up to token_pos[t].

@@ -9,7 +9,7 @@ TORCH_LIBRARY(cpu_backend, m) {
   m.def("linear_pack_nr() -> int", &cpu_backend::linear_pack_nr);
   m.def("linear_pack_pairs(ScalarType dtype) -> bool", &cpu_backend::linear_pack_pairs);
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("linear(Tensor x, Tensor packed_weight, int n, Tensor? bias=None) -> Tensor");
+  m.def("linear(Tensor x, Tensor packed_weight, int n, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, "
       "Tensor token_req, Tensor token_pos, float scale, int sliding_window, float softcap, "

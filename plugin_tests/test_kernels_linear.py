@@ -7,7 +7,8 @@ script (`--worker ISA`); it prints one JSON line with its findings.
 
 Grid: M in {1, 2, 3, 5, 8, 17, 64, 130} x (N, K) in {(1, 16), (17, 33),
 (64, 576), (1536, 576), (576, 1536), (100, 7)} x weight dtype {bf16, fp16,
-fp32} x x dtype {bf16, fp32} x {no bias, bias}, plus edge cases (3-D and
+fp32} x x dtype {bf16, fp32} x {no bias, bias}, bf16 x also with float32 output
+(out_dtype, what the LM head asks for), plus edge cases (3-D and
 row-strided x, fp16 x, M = 0, K = 0, NaN, bad arguments, fake tensors and
 torch.library.opcheck).
 
@@ -106,14 +107,18 @@ def _worker_grid(torch, L, nr, failures, worst):
                 for m in MS:
                     x, ref, scale = xs[row : row + m], refs[row : row + m], scales[row : row + m]
                     row += m
+                    out_dtypes = (None, torch.float32) if xdtype == torch.bfloat16 else (None,)
                     for b in (None, bias):
-                        y = L.linear(x, packed, n, b)
-                        label = f"M={m} N={n} K={k} w={wdtype} x={xdtype} bias={b is not None}"
-                        if b is None:
-                            _check(torch, y, ref, scale, xdtype, label, failures, worst)
-                        else:
-                            _check(torch, y, ref + b64, scale + b64.abs(), xdtype, label, failures, worst)
-                        cases += 1
+                        for out_dtype in out_dtypes:
+                            y = L.linear(x, packed, n, b, out_dtype)
+                            label = (f"M={m} N={n} K={k} w={wdtype} x={xdtype} bias={b is not None} "
+                                     f"out={out_dtype}")
+                            want = out_dtype or xdtype
+                            if b is None:
+                                _check(torch, y, ref, scale, want, label, failures, worst)
+                            else:
+                                _check(torch, y, ref + b64, scale + b64.abs(), want, label, failures, worst)
+                            cases += 1
     return cases
 
 
@@ -169,6 +174,7 @@ def _worker_edges(torch, L, nr, failures, worst):
         "wrong K": lambda: L.linear(torch.randn(2, k + 1), packed, n),
         "wrong bias": lambda: L.linear(torch.randn(2, k), packed, n, torch.randn(n + 1)),
         "int x": lambda: L.linear(torch.ones(2, k, dtype=torch.int32), packed, n),
+        "int out_dtype": lambda: L.linear(torch.randn(2, k), packed, n, None, torch.int32),
         "3-D weight": lambda: L.pack_linear_weight(torch.randn(2, 3, 4)),
         "not packed": lambda: L.linear(torch.randn(2, k), w, n),
     }
@@ -190,9 +196,14 @@ def _worker_edges(torch, L, nr, failures, worst):
         fy = torch.ops.cpu_backend.linear(fx, fp, n, None)
         if tuple(fp.shape) != (-(-n // nr), k, nr) or tuple(fy.shape) != (5, 3, n):
             failures.append(f"fake: {tuple(fp.shape)} {tuple(fy.shape)}")
+        fy = torch.ops.cpu_backend.linear(fx.bfloat16(), fp, n, None, torch.float32)
+        if fy.dtype != torch.float32:
+            failures.append(f"fake out_dtype: {fy.dtype}")
     # schema, fake and AOT-dispatch checks of torch.library
     for op, op_args in (
         (torch.ops.cpu_backend.linear.default, (torch.randn(3, k).to(torch.bfloat16), packed, n, b32)),
+        (torch.ops.cpu_backend.linear.default,
+         (torch.randn(3, k).to(torch.bfloat16), packed, n, None, torch.float32)),
         (torch.ops.cpu_backend.pack_linear_weight.default, (w,)),
     ):
         for check_name, outcome in torch.library.opcheck(op, op_args).items():

@@ -10,7 +10,8 @@ outputs add one rounding of the result (2^-8 / 2^-11 relative).
 Grid: bits 4/8, group -1/32/64/128, sym/asym, act-order (g_idx) or not,
 M = 1, 3, 13 (over one quantized microkernel), 17 (the dense path of the avx2 and portable
 builds, from 16 rows: several chunks, a partial one), N = 48, 40 and 104 (partial panels), K = 128/256,
-x fp32/bf16/fp16, with and without bias; AWQ 4-bit through the same path; odd K
+x fp32/bf16/fp16, with and without bias; AWQ 4-bit through the same path (bf16 x, also with
+float32 output, what the LM head asks for; on the odd-K cases too); odd K
 (37, 39, 66 in groups of 33, 6 in groups of 2) against the integer view directly.
 """
 
@@ -42,20 +43,21 @@ def _worker() -> dict:
     failures, cases, worst = [], 0, 0.0
     rel_out = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
-    def check(label, x, w_ref, bias, lay, bits, n):
+    def check(label, x, w_ref, bias, lay, bits, n, out_dtype=None):
         nonlocal cases, worst
         y = torch.ops.cpu_backend.wna16_linear(x, lay["qweight"], lay["scales"], lay["zs"], bits,
-                                               lay["group_size"], n, lay["perm"], bias)
+                                               lay["group_size"], n, lay["perm"], bias, out_dtype)
         want = x.double() @ w_ref.T
         mag = x.double().abs() @ w_ref.abs().T
         if bias is not None:
             want = want + bias.double()
             mag = mag + bias.double().abs()
-        tol = 1e-4 * mag + 1e-5 + rel_out[x.dtype] * want.abs()
+        out_dtype = out_dtype or x.dtype
+        tol = 1e-4 * mag + 1e-5 + rel_out[out_dtype] * want.abs()
         err = (y.double() - want).abs()
         cases += 1
         worst = max(worst, float((err / tol).max()))
-        if y.dtype != x.dtype or y.shape != want.shape or not bool((err <= tol).all()):
+        if y.dtype != out_dtype or y.shape != want.shape or not bool((err <= tol).all()):
             failures.append(f"{label}: max err {float(err.max()):.3g}")
 
     for bits in (4, 8):
@@ -86,6 +88,7 @@ def _worker() -> dict:
         for m in (1, 9):
             x = torch.randn(2, m, 256, generator=gen).bfloat16()  # 3-D x
             check(f"awq g{gs} m{m}", x, w_ref, None, lay, 4, 64)
+            check(f"awq g{gs} m{m} float32 out", x, w_ref, None, lay, 4, 64, torch.float32)
     # odd K (not a multiple of the kernel's k unroll) straight from the integer view
     for bits in (4, 8):
         for k, gs in ((37, -1), (39, -1), (66, 33), (6, 2)):
@@ -96,8 +99,11 @@ def _worker() -> dict:
             lay = formats.kernel_layout(v["q"], v["zero"], v["scale"], v["g_idx"], bits)
             for m in (1, 2, 5, 17):
                 for dt in (torch.float32, torch.bfloat16):
-                    check(f"odd K b{bits} k{k} g{gs} m{m} {dt}", torch.randn(m, k, generator=gen).to(dt),
-                          w_ref, None, lay, bits, 24)
+                    x = torch.randn(m, k, generator=gen).to(dt)
+                    check(f"odd K b{bits} k{k} g{gs} m{m} {dt}", x, w_ref, None, lay, bits, 24)
+                    if dt == torch.bfloat16:
+                        check(f"odd K b{bits} k{k} g{gs} m{m} {dt} float32 out", x, w_ref, None, lay, bits, 24,
+                              torch.float32)
     return {"isa": isa, "failures": failures, "cases": cases, "worst_err_over_tol": worst}
 
 

@@ -6,7 +6,8 @@ scales are), q = clamp(round(w / s), -128, 127), logits = x @ (q s)^T + b.
 Tolerances: every dequantized weight within 0.6 s of the original (s / 2, or
 a little more for the largest |w| of a row once s is rounded down to fp16 and
 q clamped to 127); logits as in test_kernels_wna16.py: 1e-4 of
-|x| @ |W|^T plus one rounding of a bf16 output. The vocabulary (8232 rows)
+|x| @ |W|^T plus one rounding of a bf16 output (none for float32 logits
+from bf16 x, what the LM head asks for). The vocabulary (8232 rows)
 spans two quantization chunks and ends in a partial panel of 16.
 """
 
@@ -38,10 +39,12 @@ def test_int8_head_logits_match_reference():
 
     w_ref, s = reference(w)
     assert bool(((w_ref - w.double()).abs() <= 0.6 * s).all())
-    for m, dtype in ((1, torch.bfloat16), (5, torch.bfloat16), (3, torch.float32)):
+    for m, dtype, out_dtype in ((1, torch.bfloat16, None), (5, torch.bfloat16, None), (3, torch.float32, None),
+                                (2, torch.bfloat16, torch.float32)):
         x = torch.randn(m, k, generator=gen).to(dtype)
         bias = torch.randn(n, generator=gen).to(dtype) if m == 3 else None
-        got = head.logits(x, bias)
+        got = head.logits(x, bias, out_dtype)
+        dtype = out_dtype or dtype
         want = x.double() @ w_ref.T
         mag = x.double().abs() @ w_ref.abs().T
         if bias is not None:

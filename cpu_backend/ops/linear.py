@@ -64,12 +64,17 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(
-    x: torch.Tensor, packed_weight: torch.Tensor, n: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed_weight: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    """x @ W^T + bias; the result has x's dtype unless out_dtype is given."""
     load()
     import torch
 
-    return torch.ops.cpu_backend.linear(x, packed_weight, n, bias)
+    return torch.ops.cpu_backend.linear(x, packed_weight, n, bias, out_dtype)
 
 
 def linear_reference(
@@ -97,7 +102,7 @@ def _register_fakes() -> None:
         return weight.new_empty(((n + nr - 1) // nr, k, nr))
 
     @torch.library.register_fake("cpu_backend::linear")
-    def _(x, packed_weight, n, bias=None):
-        return x.new_empty((*x.shape[:-1], n))
+    def _(x, packed_weight, n, bias=None, out_dtype=None):
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype or x.dtype)
 
     _fakes_registered = True

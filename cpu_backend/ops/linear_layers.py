@@ -56,6 +56,7 @@ class _PackedGemm:
     Layers we cannot pack keep the host method's own path."""
 
     keeps_original_weight = False
+    out_dtype: torch.dtype | None = None  # None: x's dtype
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not _packable(layer):
@@ -76,7 +77,8 @@ class _PackedGemm:
         if x.stride(-1) != 1:
             x = x.contiguous()
         return kernels.linear(
-            x, layer.cpu_backend_packed_weight, layer.cpu_backend_out_features, bias
+            x, layer.cpu_backend_packed_weight, layer.cpu_backend_out_features, bias,
+            self.out_dtype,
         )
 
 
@@ -87,10 +89,15 @@ class CpuBackendLinearMethod(_PackedGemm, host_linear.UnquantizedLinearMethod):
 class CpuBackendLMHeadMethod(_PackedGemm, host_vocab.UnquantizedEmbeddingMethod):
     """The LM head's logits GEMM; the weight stays (tied embeddings read it).
 
+    Logits come out in float32 straight from the fp32 accumulators: the host's
+    sampler converts them to float32 anyway (`Sampler.forward`), a separate
+    pass that took 8 ms per step for 64 sequences x 151936 (Qwen2.5-0.5B
+    shape), and logits rounded to bf16 first tie where float32 does not.
     With `VLLM_CPU_BACKEND_LM_HEAD_QUANT=int8` the GEMM runs on an int8
     copy instead of a packed one (cpu_backend/quantization/lm_head.py)."""
 
     keeps_original_weight = True
+    out_dtype = torch.float32
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         mode = envs.lm_head_quant()
@@ -106,7 +113,7 @@ class CpuBackendLMHeadMethod(_PackedGemm, host_vocab.UnquantizedEmbeddingMethod)
         head = getattr(layer, "cpu_backend_lm_head", None)
         if head is None:
             return super().apply(layer, x, bias)
-        return head.logits(x if x.stride(-1) == 1 else x.contiguous(), bias)
+        return head.logits(x if x.stride(-1) == 1 else x.contiguous(), bias, self.out_dtype)
 
 
 def _swapping_subclass(base: type, host_method: type, ours: type) -> type:

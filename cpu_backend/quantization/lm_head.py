@@ -45,10 +45,11 @@ class QuantizedHead:
     scales: torch.Tensor
     zs: torch.Tensor
 
-    def logits(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.ops.cpu_backend.wna16_linear(
             x, self.qweight, self.scales, self.zs, self.bits, self.group_size,
-            self.out_features, None, bias,
+            self.out_features, None, bias, out_dtype,
         )
 
     def nbytes(self) -> int:
