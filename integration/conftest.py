@@ -52,6 +52,20 @@ def smollm2(model_root):
 
 
 @pytest.fixture(scope="session")
+def perplexity_token_ids(smollm2) -> list[int]:
+    """The first 1000 SmolLM2 tokens of the fixed perplexity text
+    (integration/data/perplexity_text.txt)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    text = (Path(__file__).parent / "data" / "perplexity_text.txt").read_text()
+    ids = AutoTokenizer.from_pretrained(smollm2)(text).input_ids
+    assert len(ids) > 400
+    return ids[:1000]
+
+
+@pytest.fixture(scope="session")
 def smollm2_bf16(model_root):
     return str(models.smollm2(model_root, dtype="bfloat16"))
 

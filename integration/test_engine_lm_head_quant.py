@@ -13,13 +13,10 @@ figures measured when this was written (docs/quantization.md), with margin.
 from __future__ import annotations
 
 import math
-from pathlib import Path
-
 import pytest
 
 from integration.conftest import report, running_llm
 
-TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 DECIDED_NATS = 0.5
 # mode -> (max perplexity ratio either way, min top-1 agreement at decided
 # positions); measured (02:11 UTC): x0.9969, 497 of 497
@@ -46,10 +43,8 @@ def summary(logprobs: list[dict], token_ids: list[int]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def token_ids(smollm2):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(smollm2)(TEXT.read_text()).input_ids[:1000]
+def token_ids(perplexity_token_ids):
+    return perplexity_token_ids
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 
 import pytest
 
@@ -30,7 +29,6 @@ pytestmark = pytest.mark.skipif(
     reason="long: set CPU_BACKEND_RUN_PERPLEXITY=1 to run",
 )
 
-TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 # format name -> (tool args, max perplexity ratio to bf16[, tool keyword args])
 FORMATS = {
     # measured 1.046 (01:02 UTC): per-token int8 activations cost this small model more
@@ -52,12 +50,8 @@ def perplexity(llm, token_ids: list[int]) -> float:
 
 
 @pytest.fixture(scope="module")
-def token_ids(smollm2):
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(smollm2)(TEXT.read_text()).input_ids
-    assert len(ids) > 400
-    return ids[:1000]
+def token_ids(perplexity_token_ids):
+    return perplexity_token_ids
 
 
 @pytest.fixture(scope="module")
