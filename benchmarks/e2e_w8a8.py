@@ -3,14 +3,17 @@ on our plugin vs the bf16 model on our plugin vs the same W8A8 checkpoint on
 the host alone (VLLM_PLUGINS=none: the in-tree CPU platform, oneDNN int8),
 one fresh subprocess per variant, same run.
 
-    .venv/bin/python -m benchmarks.e2e_w8a8 [--avx2-emulation] [--isa avx2] [--prompts 64]
-                                            [--prompt-len 64] [--tokens 32] [--repeat 2]
+    .venv/bin/python -m benchmarks.e2e_w8a8 [--avx2-emulation | --avx-vnni-emulation] [--isa avx2]
+                                            [--prompts 64] [--prompt-len 64] [--tokens 32] [--repeat 2]
 
 Default: every variant on this CPU's native ISA (ours: the library the
 dispatcher picks; the host: oneDNN's own pick, AVX-512 VNNI here).
 `--avx2-emulation`: every variant limited to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2,
 ATEN_CPU_CAPABILITY=avx2; ours on its avx2 library), as on an AVX2-only CPU;
-writes e2e_w8a8_avx2.md. `--isa` forces our library only (not the host's).
+writes e2e_w8a8_avx2.md. `--avx-vnni-emulation`: the same with AVX-VNNI, as on
+an Intel client CPU (Alder Lake and later: AVX2 + 256-bit VNNI, no AVX-512):
+oneDNN at AVX2_VNNI, ATen at avx2, ours on its avx_vnni library; writes
+e2e_w8a8_avx_vnni.md. `--isa` forces our library only (not the host's).
 
 Model: integration/models.qwen25_05b_shape (Qwen2.5-0.5B's shape, random bf16
 weights, tied LM head in bf16), W8A8 dynamic per-token symmetric written once
@@ -73,6 +76,9 @@ def main() -> None:
     p.add_argument("--isa", default=None, help="force our kernel library (not the host's ISA)")
     p.add_argument("--avx2-emulation", action="store_true",
                    help="all variants limited to AVX2 (oneDNN and ATen), ours on its avx2 library")
+    p.add_argument("--avx-vnni-emulation", action="store_true",
+                   help="all variants limited to AVX2 + AVX-VNNI (oneDNN AVX2_VNNI, ATen avx2), ours on "
+                   "its avx_vnni library")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--tokens", type=int, default=32)
@@ -81,11 +87,12 @@ def main() -> None:
     p.add_argument("--ours", type=int, default=1)
     a = p.parse_args()
     isa_env = {}
-    if a.avx2_emulation:
-        from benchmarks.e2e import AVX2_ENV_ALL
+    if a.avx2_emulation or a.avx_vnni_emulation:
+        from benchmarks.isa_runs import TORCH_ISA_ENV
 
-        isa_env = dict(AVX2_ENV_ALL)
-        a.isa = a.isa or "avx2"
+        tier = "avx2" if a.avx2_emulation else "avx_vnni"
+        isa_env = dict(TORCH_ISA_ENV[tier])
+        a.isa = a.isa or tier
     if a.worker:
         print("RESULT " + json.dumps(worker(a.worker, a.prompts, a.prompt_len, a.tokens, a.repeat,
                                             bool(a.ours))))
@@ -123,7 +130,7 @@ def main() -> None:
     base = rows[0][1]["gen_tok_s"]
     text = ["# 64-prompt throughput: W8A8 INT8 vs bf16 (Qwen2.5-0.5B shape)", "",
             f"Our kernel library: {rows[0][1].get('isa')}; "
-            + (f"AVX2 emulation for every variant ({' '.join(f'{k}={v}' for k, v in isa_env.items())}); "
+            + (f"{a.isa} emulation for every variant ({' '.join(f'{k}={v}' for k, v in isa_env.items())}); "
                if isa_env else "native ISA for every variant (the host's oneDNN picks its own); ")
             + f"{a.prompts} prompts x {a.prompt_len} tokens, {a.tokens} generated each, median of "
             f"{a.repeat}; async scheduling as each backend defaults. Command: "
@@ -134,7 +141,7 @@ def main() -> None:
         text.append(f"| {name} | {r['gen_tok_s']:.2f} | {r['total_tok_s']:.1f} | "
                     f"{r['gen_tok_s'] / base:.2f}x | {r['quantization']} | "
                     f"{', '.join(r.get('linear_methods', ['(host)']))} |")
-    out = REPO / "benchmarks" / "results" / ("e2e_w8a8_avx2.md" if a.avx2_emulation else "e2e_w8a8.md")
+    out = REPO / "benchmarks" / "results" / (f"e2e_w8a8_{a.isa}.md" if isa_env else "e2e_w8a8.md")
     out.write_text("\n".join(text) + "\n")
     print("\n".join(text))
 

@@ -1,8 +1,11 @@
 """Shared by the per-ISA kernel microbenchmarks (kernels_wna16.py, kernels_w8a8.py).
 
 Each script's `worker(threads, iters) -> dict` runs in one subprocess per ISA
-library (`VLLM_CPU_BACKEND_ISA`, since a process loads one library); `main`
-collects the results, renders them and writes the markdown file.
+library (`VLLM_CPU_BACKEND_ISA`, since a process loads one library), with
+torch's own kernels (oneDNN, ATen) limited to the same ISA level
+(TORCH_ISA_ENV), so that the torch and host columns are what a CPU of that
+tier runs; `main` collects the results, renders them and writes the markdown
+file.
 """
 
 from __future__ import annotations
@@ -18,6 +21,14 @@ from pathlib import Path
 
 # The decoder-layer linears of Qwen2.5-0.5B: (name, N, K).
 QWEN05_LINEARS = [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864)]
+# What limits torch's own kernels (oneDNN: the host's int8 and bf16 GEMMs; ATen)
+# to the level of one of our libraries, as on a CPU of that tier. The host's
+# `_C` kernels pick their ISA at build time and are not limited.
+TORCH_ISA_ENV = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    # Intel client parts (Alder Lake and later): AVX2 + 256-bit VNNI
+    "avx_vnni": {"ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "ATEN_CPU_CAPABILITY": "avx2"},
+}
 # Weights are rotated through copies totalling more than this, so that M = 1
 # reads come from DRAM, like a model whose layers do not stay in cache.
 ROTATE_BYTES = 96 << 20
@@ -39,7 +50,7 @@ def median_ms(fn, iters: int) -> float:
 def main(module: str, worker, render, default_out: str) -> None:
     """CLI of a per-ISA benchmark `module` (run as `python -m <module>` from the repo root)."""
     p = argparse.ArgumentParser()
-    p.add_argument("--isas", default="avx2,avx512")
+    p.add_argument("--isas", default="avx2,avx_vnni,avx512")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default=default_out)
@@ -52,7 +63,8 @@ def main(module: str, worker, render, default_out: str) -> None:
     for isa in a.isas.split(","):
         proc = subprocess.run(
             [sys.executable, "-m", module, "--worker", "--threads", str(a.threads), "--iters", str(a.iters)],
-            env={**os.environ, "VLLM_CPU_BACKEND_ISA": isa}, capture_output=True, text=True, cwd=REPO)
+            env={**os.environ, **TORCH_ISA_ENV.get(isa, {}), "VLLM_CPU_BACKEND_ISA": isa},
+            capture_output=True, text=True, cwd=REPO)
         line = [x for x in proc.stdout.splitlines() if x.startswith(_MARKER)]
         if proc.returncode or not line:
             print(proc.stderr[-2000:], file=sys.stderr)

@@ -21,6 +21,10 @@ _PATHS: dict[str, tuple[str, ...]] = {
     "amx": ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
             "avx512_vnni"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
+    # AVX2 with 256-bit VNNI (Intel Alder Lake and later client parts, Sierra
+    # Forest; none of them has AVX-512): the avx2 kernels, with VPDPBUSD and
+    # VPDPWSSD in the int8 dot products (W8A8, int8 KV-cache attention).
+    "avx_vnni": ("avx2", "fma", "f16c", "avx_vnni"),
     "avx2": ("avx2", "fma", "f16c"),
     "portable": (),
 }
@@ -61,6 +65,6 @@ def selected_path() -> str:
 
 def describe() -> str:
     """e.g. 'avx512 (cpu has avx512_bf16 avx512_vnni)' for the start-up log."""
-    extras = [f for f in ("avx512_bf16", "avx512_vnni", "amx_int8") if f in cpu_flags()]
+    extras = [f for f in ("avx_vnni", "avx512_bf16", "avx512_vnni", "amx_int8") if f in cpu_flags()]
     path = selected_path()
     return f"{path} (cpu has {' '.join(extras)})" if extras else path

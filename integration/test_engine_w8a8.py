@@ -45,6 +45,8 @@ CASES = {
     "w8a8-dynamic-sym-avx2": ("dynamic", True, "avx2"),
     "w8a8-dynamic-sym-avx512": ("dynamic", True, "avx512"),
     "w8a8-static-asym-avx2": ("static", False, "avx2"),
+    # AVX-VNNI: offset activations (a + 128) and the zero point in one correction
+    "w8a8-static-asym-avx_vnni": ("static", False, "avx_vnni"),
 }
 
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-ISA_PATHS = ["avx512", "avx2", "portable"]
+ISA_PATHS = ["avx512", "avx_vnni", "avx2", "portable"]
 
 
 def run_worker(test_file: str, isa_path: str, timeout: float = 600) -> dict:

@@ -93,3 +93,8 @@ def test_isa_detection_from_flags():
         frozenset({"avx2", "fma", "f16c", "avx512_bf16", "avx512_vnni", *avx512})
     ) == ["avx512", "avx2", "portable"]
     assert isa.supported_paths(frozenset({"avx2"})) == ["portable"]  # no FMA
+    # AVX-VNNI without AVX-512 (Alder Lake and later client parts)
+    assert isa.supported_paths(frozenset({"avx2", "fma", "f16c", "avx_vnni"})) == ["avx_vnni", "avx2", "portable"]
+    assert isa.supported_paths(
+        frozenset({"avx2", "fma", "f16c", "avx_vnni", "avx512_bf16", "avx512_vnni", *avx512})
+    ) == ["avx512", "avx_vnni", "avx2", "portable"]

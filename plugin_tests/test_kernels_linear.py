@@ -39,7 +39,8 @@ import pytest
 WORKER_TIMEOUT_S = 240
 MS = (1, 2, 3, 5, 8, 17, 64, 130)
 NKS = ((1, 16), (17, 33), (64, 576), (1536, 576), (576, 1536), (100, 7))
-EXPECTED_LIBRARY = {"amx": "avx512", "avx512": "avx512", "avx2": "avx2", "portable": "portable"}
+EXPECTED_LIBRARY = {"amx": "avx512", "avx512": "avx512", "avx_vnni": "avx_vnni", "avx2": "avx2",
+                    "portable": "portable"}
 
 
 # ------------------------------------------------------------- the worker ---
@@ -291,7 +292,7 @@ def _run_worker(isa_path: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("isa_path", ["amx", "avx512", "avx2", "portable"])
+@pytest.mark.parametrize("isa_path", list(EXPECTED_LIBRARY))
 def test_linear_kernels_match_reference(isa_path):
     if isa_path not in _supported_paths():
         pytest.skip(f"this CPU has no {isa_path}")

@@ -67,8 +67,10 @@ def _worker() -> dict:
     modes = [("dyn-sym", None, None, True), ("dyn-asym", None, None, False),
              ("static-sym", 0.02, None, True), ("static-asym", 0.03, -20, False)]
 
-    # integer product at the extremes (saturation check) and random
-    for n, k in ((16, 64), (40, 36), (33, 7), (104, 130)):
+    # integer product at the extremes (saturation check) and random; panels of
+    # 16 columns: 1, 3 and 7 (avx512 pairs them from two rows on, an odd one
+    # left alone) and 4
+    for n, k in ((16, 64), (40, 36), (33, 7), (104, 130), (64, 40)):
         w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
         w[0] = -128
         lay = kernel_layout(w, torch.ones(n))

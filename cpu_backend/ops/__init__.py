@@ -1,6 +1,6 @@
 """Native kernels (csrc/): one shared library per ISA, loaded lazily.
 
-setup.py builds `_kernels_avx512.so`, `_kernels_avx2.so` and
+setup.py builds `_kernels_avx512.so`, `_kernels_avx_vnni.so`, `_kernels_avx2.so` and
 `_kernels_portable.so` into this package's parent directory (`cpu_backend/`).
 `load()` loads the one for `cpu_backend.isa.selected_path()` with
 `torch.ops.load_library`, once per process: the libraries register the same
@@ -21,7 +21,8 @@ NOT_BUILT = (
 )
 
 # isa.selected_path() -> library. AMX has no kernels of its own yet.
-LIBRARY_FOR_PATH = {"amx": "avx512", "avx512": "avx512", "avx2": "avx2", "portable": "portable"}
+LIBRARY_FOR_PATH = {"amx": "avx512", "avx512": "avx512", "avx_vnni": "avx_vnni", "avx2": "avx2",
+                    "portable": "portable"}
 
 _lock = threading.Lock()
 _loaded: str | None = None  # the build loaded in this process, e.g. "avx2"
@@ -62,7 +63,8 @@ def _already_loaded() -> str | None:
 def load() -> str:
     """Load the kernels for this CPU (idempotent, thread-safe); the build's name.
 
-    Returns what the loaded library reports ("avx512", "avx2" or "portable");
+    Returns what the loaded library reports ("avx512", "avx_vnni", "avx2" or
+    "portable");
     an AMX CPU gets "avx512". Raises KernelsNotBuilt when the library is missing.
     """
     global _loaded

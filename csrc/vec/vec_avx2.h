@@ -1,5 +1,6 @@
-// VecF32x16 on AVX2: two __m256. Built only into _kernels_avx2.so
-// (-mavx2 -mfma -mf16c).
+// VecF32x16 on AVX2: two __m256. Built into _kernels_avx2.so (-mavx2 -mfma
+// -mf16c) and _kernels_avx_vnni.so (the same plus -mavxvnni and
+// CPU_BACKEND_HAS_AVX_VNNI, which only the int8 dot products read).
 #pragma once
 
 #include <immintrin.h>
@@ -8,7 +9,11 @@
 
 namespace cpu_backend {
 
+#if defined(CPU_BACKEND_HAS_AVX_VNNI)
+#define CPU_BACKEND_ISA_NAME "avx_vnni"
+#else
 #define CPU_BACKEND_ISA_NAME "avx2"
+#endif
 
 struct VecF32x16 {
   __m256 lo, hi;

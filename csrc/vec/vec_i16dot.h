@@ -89,8 +89,12 @@ struct VecI32x16 {
   static CB_ALWAYS_INLINE VecI32x16 zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 };
 static CB_ALWAYS_INLINE VecI32x16 dot2(VecI32x16 acc, VecI16x32 a, VecI16x32 b) {
+#if defined(CPU_BACKEND_HAS_AVX_VNNI)
+  return {_mm256_dpwssd_avx_epi32(acc.lo, a.lo, b.lo), _mm256_dpwssd_avx_epi32(acc.hi, a.hi, b.hi)};
+#else
   return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, b.lo)),
           _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, b.hi))};
+#endif
 }
 static CB_ALWAYS_INLINE VecF32x16 to_f32(VecI32x16 x) {
   return {_mm256_cvtepi32_ps(x.lo), _mm256_cvtepi32_ps(x.hi)};

@@ -8,9 +8,11 @@
 // Activations: one row of Kp = 4 K4 bytes per token, in the form the ISA's
 //   dot product wants (kActXor below is applied when they are quantized).
 //
-// int8_tile<MR>(a, lda, w, K4, c) writes c[m][j] = sum_k act[m][k] * w[k][j]
-// minus kActOffset * sum_k w[k][j], i.e. c[m][j] + kActOffset * wsum[j] is
-// the exact int32 product of the stored activation bytes and the weights.
+// int8_tile<MR, NP>(a, lda, w, wstride, K4, c) covers NP panels (the ISA's
+// kInt8NP, or 1 for a last odd panel), panel i at w + i * wstride, and writes
+// c[i][m][j] (panel i's [MR][16] block at c + i * MR * 16) = sum_k act[m][k] *
+// w_i[k][j] minus kActOffset * sum_k w_i[k][j], i.e. plus kActOffset * wsum
+// it is the exact int32 product of the stored activation bytes and the weights.
 #pragma once
 
 #include <cstdint>
@@ -38,36 +40,86 @@ static CB_ALWAYS_INLINE int32_t load_i32(const uint8_t* p) {
 constexpr uint8_t kActXor = 0x80;
 constexpr int32_t kActOffset = 128;
 constexpr int kInt8MR = 8;
+// Two panels per call: each broadcast activation feeds two VPDPBUSD (one
+// broadcast per instruction left the loads, not the dot products, limiting:
+// 1.2-1.3x at 16-64 rows). 2 * MR accumulators + 2 w + 1 a of 32 registers.
+constexpr int kInt8NP = 2;
 
-template <int MR>
-static inline void int8_tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict w, int64_t K4,
-                             int32_t* __restrict c) {
-  // Few rows: KU independent accumulators per row (VPDPBUSD latency ~5).
-  constexpr int KU = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
-  __m512i acc[KU][MR];
+template <int MR, int NP>
+static inline void int8_tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict w, int64_t wstride,
+                             int64_t K4, int32_t* __restrict c) {
+  // Few rows: KU independent accumulators per row and panel (VPDPBUSD latency ~5).
+  constexpr int KU = MR * NP == 1 ? 4 : (MR * NP == 2 ? 2 : 1);
+  __m512i acc[KU][MR][NP];
   CB_UNROLL for (int u = 0; u < KU; ++u) {
-    CB_UNROLL for (int m = 0; m < MR; ++m) acc[u][m] = _mm512_setzero_si512();
+    CB_UNROLL for (int m = 0; m < MR; ++m) {
+      CB_UNROLL for (int i = 0; i < NP; ++i) acc[u][m][i] = _mm512_setzero_si512();
+    }
   }
+  auto step = [&](int64_t k, int u) CB_ALWAYS_INLINE_LAMBDA {
+    __m512i wv[NP];
+    CB_UNROLL for (int i = 0; i < NP; ++i) wv[i] = _mm512_loadu_si512(w + i * wstride + k * 64);
+    CB_UNROLL for (int m = 0; m < MR; ++m) {
+      const __m512i av = _mm512_set1_epi32(load_i32(a + m * lda + k * 4));
+      CB_UNROLL for (int i = 0; i < NP; ++i) acc[u][m][i] = _mm512_dpbusd_epi32(acc[u][m][i], av, wv[i]);
+    }
+  };
   const int64_t k_end = (K4 / KU) * KU;
   for (int64_t k = 0; k < k_end; k += KU) {
-    CB_UNROLL for (int u = 0; u < KU; ++u) {
-      const __m512i wv = _mm512_loadu_si512(w + (k + u) * 64);
-      CB_UNROLL for (int m = 0; m < MR; ++m) {
-        const __m512i av = _mm512_set1_epi32(load_i32(a + m * lda + (k + u) * 4));
-        acc[u][m] = _mm512_dpbusd_epi32(acc[u][m], av, wv);
-      }
-    }
+    CB_UNROLL for (int u = 0; u < KU; ++u) step(k + u, u);
   }
-  for (int64_t k = k_end; k < K4; ++k) {
-    const __m512i wv = _mm512_loadu_si512(w + k * 64);
-    CB_UNROLL for (int m = 0; m < MR; ++m) {
-      acc[0][m] = _mm512_dpbusd_epi32(acc[0][m], _mm512_set1_epi32(load_i32(a + m * lda + k * 4)), wv);
-    }
-  }
+  for (int64_t k = k_end; k < K4; ++k) step(k, 0);
   CB_UNROLL for (int m = 0; m < MR; ++m) {
-    __m512i s = acc[0][m];
-    CB_UNROLL for (int u = 1; u < KU; ++u) s = _mm512_add_epi32(s, acc[u][m]);
-    _mm512_storeu_si512(c + m * 16, s);
+    CB_UNROLL for (int i = 0; i < NP; ++i) {
+      __m512i s = acc[0][m][i];
+      CB_UNROLL for (int u = 1; u < KU; ++u) s = _mm512_add_epi32(s, acc[u][m][i]);
+      _mm512_storeu_si512(c + (i * MR + m) * 16, s);
+    }
+  }
+}
+
+#elif defined(CPU_BACKEND_ISA_AVX2) && defined(CPU_BACKEND_HAS_AVX_VNNI)
+// AVX-VNNI: the 256-bit VPDPBUSD (VEX encoded, no AVX-512), with the AVX-512
+// branch's offset activations: a panel step is two ymm of 8 columns each.
+// One instruction per 32 products where plain AVX2 needs four (sign, maddubs,
+// madd, add), so more rows per call: 2 * MR accumulators + 2 w + 1 a <= 16.
+constexpr uint8_t kActXor = 0x80;
+constexpr int32_t kActOffset = 128;
+constexpr int kInt8MR = 6;
+constexpr int kInt8NP = 1;
+
+template <int MR, int NP>
+static inline void int8_tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict w, int64_t,
+                             int64_t K4, int32_t* __restrict c) {
+  static_assert(NP == 1, "one panel per call");
+  // Few rows: KU independent accumulators per row (VPDPBUSD latency ~5).
+  constexpr int KU = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
+  __m256i acc[KU][MR][2];
+  CB_UNROLL for (int u = 0; u < KU; ++u) {
+    CB_UNROLL for (int m = 0; m < MR; ++m) acc[u][m][0] = acc[u][m][1] = _mm256_setzero_si256();
+  }
+  auto step = [&](int64_t k, int u) CB_ALWAYS_INLINE_LAMBDA {
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 64));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 64 + 32));
+    CB_UNROLL for (int m = 0; m < MR; ++m) {
+      const __m256i av = _mm256_set1_epi32(load_i32(a + m * lda + k * 4));
+      acc[u][m][0] = _mm256_dpbusd_avx_epi32(acc[u][m][0], av, w0);
+      acc[u][m][1] = _mm256_dpbusd_avx_epi32(acc[u][m][1], av, w1);
+    }
+  };
+  const int64_t k_end = (K4 / KU) * KU;
+  for (int64_t k = 0; k < k_end; k += KU) {
+    CB_UNROLL for (int u = 0; u < KU; ++u) step(k + u, u);
+  }
+  for (int64_t k = k_end; k < K4; ++k) step(k, 0);
+  CB_UNROLL for (int m = 0; m < MR; ++m) {
+    __m256i s0 = acc[0][m][0], s1 = acc[0][m][1];
+    CB_UNROLL for (int u = 1; u < KU; ++u) {
+      s0 = _mm256_add_epi32(s0, acc[u][m][0]);
+      s1 = _mm256_add_epi32(s1, acc[u][m][1]);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + m * 16), s0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + m * 16 + 8), s1);
   }
 }
 
@@ -84,10 +136,12 @@ static inline void int8_tile(const uint8_t* __restrict a, int64_t lda, const int
 constexpr uint8_t kActXor = 0;
 constexpr int32_t kActOffset = 0;
 constexpr int kInt8MR = 4;
+constexpr int kInt8NP = 1;
 
-template <int MR>
-static inline void int8_tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict w, int64_t K4,
-                             int32_t* __restrict c) {
+template <int MR, int NP>
+static inline void int8_tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict w, int64_t,
+                             int64_t K4, int32_t* __restrict c) {
+  static_assert(NP == 1, "one panel per call");
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[MR][2];
   CB_UNROLL for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
@@ -114,10 +168,12 @@ static inline void int8_tile(const uint8_t* __restrict a, int64_t lda, const int
 constexpr uint8_t kActXor = 0;
 constexpr int32_t kActOffset = 0;
 constexpr int kInt8MR = 4;
+constexpr int kInt8NP = 1;
 
-template <int MR>
-static inline void int8_tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict w, int64_t K4,
-                             int32_t* __restrict c) {
+template <int MR, int NP>
+static inline void int8_tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict w, int64_t,
+                             int64_t K4, int32_t* __restrict c) {
+  static_assert(NP == 1, "one panel per call");
   int32_t acc[MR][16] = {};
   for (int64_t k = 0; k < K4; ++k) {
     const int8_t* wk = w + k * 64;
