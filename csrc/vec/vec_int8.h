@@ -1,5 +1,6 @@
 // int8 x int8 -> int32 micro-kernel for the W8A8 linear (linear_w8a8.cpp).
-// One branch per ISA, matching vec.h's selection.
+// One branch per ISA family, matching vec.h's selection (AVX-512 and AVX-VNNI
+// share one VNNI tile over their vector width).
 //
 // Weight panel layout (made once at load, cpu_backend/quantization/w8a8.py):
 //   [K4][16 columns][4 k] int8, K4 = ceil(K / 4), k >= K zero. One k4 step of
@@ -31,37 +32,72 @@ static CB_ALWAYS_INLINE int32_t load_i32(const uint8_t* p) {
   return v;
 }
 
-#if defined(CPU_BACKEND_ISA_AVX512)
-// AVX-512 VNNI: VPDPBUSD multiplies unsigned bytes by signed bytes and adds
-// the four products of each 32-bit lane into an int32 accumulator with no
-// intermediate saturation. Activations (int8, [-127, 127]) are stored offset
-// to unsigned (a ^ 0x80 == a + 128), so the sum carries +128 * sum_k w per
-// column, which the caller subtracts (kActOffset, with wsum from the repack).
+#if defined(CPU_BACKEND_ISA_AVX512) || (defined(CPU_BACKEND_ISA_AVX2) && defined(CPU_BACKEND_HAS_AVX_VNNI))
+// VNNI (AVX-512 VNNI, or AVX-VNNI: the 256-bit VEX form on AVX2 CPUs without
+// AVX-512): VPDPBUSD multiplies unsigned bytes by signed bytes and adds the
+// four products of each 32-bit lane into an int32 accumulator with no
+// intermediate saturation: one instruction per 16 (ymm: 8) columns x 4 k.
+// Activations (int8, [-127, 127]) are stored offset to unsigned (a ^ 0x80 ==
+// a + 128), so the sum carries +128 * sum_k w per column, which the caller
+// subtracts (kActOffset, with wsum from the repack).
 constexpr uint8_t kActXor = 0x80;
 constexpr int32_t kActOffset = 128;
-constexpr int kInt8MR = 8;
+
+#if defined(CPU_BACKEND_ISA_AVX512)
 // Two panels per call: each broadcast activation feeds two VPDPBUSD (one
 // broadcast per instruction left the loads, not the dot products, limiting:
 // 1.2-1.3x at 16-64 rows). 2 * MR accumulators + 2 w + 1 a of 32 registers.
+constexpr int kInt8MR = 8;
 constexpr int kInt8NP = 2;
+struct VnniOps {
+  using V = __m512i;
+  static constexpr int kPerPanel = 1;  // vectors per 16-column panel step
+  static CB_ALWAYS_INLINE V zero() { return _mm512_setzero_si512(); }
+  static CB_ALWAYS_INLINE V load(const int8_t* p) { return _mm512_loadu_si512(p); }
+  static CB_ALWAYS_INLINE V broadcast(int32_t v) { return _mm512_set1_epi32(v); }
+  static CB_ALWAYS_INLINE V dot(V acc, V a, V w) { return _mm512_dpbusd_epi32(acc, a, w); }
+  static CB_ALWAYS_INLINE V add(V x, V y) { return _mm512_add_epi32(x, y); }
+  static CB_ALWAYS_INLINE void store(int32_t* p, V v) { _mm512_storeu_si512(p, v); }
+};
+#else
+// One panel is two ymm: 2 * MR accumulators + 2 w + 1 a of 16 registers.
+constexpr int kInt8MR = 6;
+constexpr int kInt8NP = 1;
+struct VnniOps {
+  using V = __m256i;
+  static constexpr int kPerPanel = 2;
+  static CB_ALWAYS_INLINE V zero() { return _mm256_setzero_si256(); }
+  static CB_ALWAYS_INLINE V load(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const V*>(p)); }
+  static CB_ALWAYS_INLINE V broadcast(int32_t v) { return _mm256_set1_epi32(v); }
+  static CB_ALWAYS_INLINE V dot(V acc, V a, V w) { return _mm256_dpbusd_avx_epi32(acc, a, w); }
+  static CB_ALWAYS_INLINE V add(V x, V y) { return _mm256_add_epi32(x, y); }
+  static CB_ALWAYS_INLINE void store(int32_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<V*>(p), v); }
+};
+#endif
 
 template <int MR, int NP>
 static inline void int8_tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict w, int64_t wstride,
                              int64_t K4, int32_t* __restrict c) {
+  using O = VnniOps;
+  using V = typename O::V;
+  constexpr int NV = NP * O::kPerPanel;  // vectors per row: vector j is panel j / kPerPanel's part j % kPerPanel
+  constexpr int kBytes = 64 / O::kPerPanel, kCols = 16 / O::kPerPanel;
   // Few rows: KU independent accumulators per row and panel (VPDPBUSD latency ~5).
   constexpr int KU = MR * NP == 1 ? 4 : (MR * NP == 2 ? 2 : 1);
-  __m512i acc[KU][MR][NP];
+  V acc[KU][MR][NV];
   CB_UNROLL for (int u = 0; u < KU; ++u) {
     CB_UNROLL for (int m = 0; m < MR; ++m) {
-      CB_UNROLL for (int i = 0; i < NP; ++i) acc[u][m][i] = _mm512_setzero_si512();
+      CB_UNROLL for (int j = 0; j < NV; ++j) acc[u][m][j] = O::zero();
     }
   }
   auto step = [&](int64_t k, int u) CB_ALWAYS_INLINE_LAMBDA {
-    __m512i wv[NP];
-    CB_UNROLL for (int i = 0; i < NP; ++i) wv[i] = _mm512_loadu_si512(w + i * wstride + k * 64);
+    V wv[NV];
+    CB_UNROLL for (int j = 0; j < NV; ++j) {
+      wv[j] = O::load(w + (j / O::kPerPanel) * wstride + k * 64 + (j % O::kPerPanel) * kBytes);
+    }
     CB_UNROLL for (int m = 0; m < MR; ++m) {
-      const __m512i av = _mm512_set1_epi32(load_i32(a + m * lda + k * 4));
-      CB_UNROLL for (int i = 0; i < NP; ++i) acc[u][m][i] = _mm512_dpbusd_epi32(acc[u][m][i], av, wv[i]);
+      const V av = O::broadcast(load_i32(a + m * lda + k * 4));
+      CB_UNROLL for (int j = 0; j < NV; ++j) acc[u][m][j] = O::dot(acc[u][m][j], av, wv[j]);
     }
   };
   const int64_t k_end = (K4 / KU) * KU;
@@ -70,56 +106,11 @@ static inline void int8_tile(const uint8_t* __restrict a, int64_t lda, const int
   }
   for (int64_t k = k_end; k < K4; ++k) step(k, 0);
   CB_UNROLL for (int m = 0; m < MR; ++m) {
-    CB_UNROLL for (int i = 0; i < NP; ++i) {
-      __m512i s = acc[0][m][i];
-      CB_UNROLL for (int u = 1; u < KU; ++u) s = _mm512_add_epi32(s, acc[u][m][i]);
-      _mm512_storeu_si512(c + (i * MR + m) * 16, s);
+    CB_UNROLL for (int j = 0; j < NV; ++j) {
+      V s = acc[0][m][j];
+      CB_UNROLL for (int u = 1; u < KU; ++u) s = O::add(s, acc[u][m][j]);
+      O::store(c + ((j / O::kPerPanel) * MR + m) * 16 + (j % O::kPerPanel) * kCols, s);
     }
-  }
-}
-
-#elif defined(CPU_BACKEND_ISA_AVX2) && defined(CPU_BACKEND_HAS_AVX_VNNI)
-// AVX-VNNI: the 256-bit VPDPBUSD (VEX encoded, no AVX-512), with the AVX-512
-// branch's offset activations: a panel step is two ymm of 8 columns each.
-// One instruction per 32 products where plain AVX2 needs four (sign, maddubs,
-// madd, add), so more rows per call: 2 * MR accumulators + 2 w + 1 a <= 16.
-constexpr uint8_t kActXor = 0x80;
-constexpr int32_t kActOffset = 128;
-constexpr int kInt8MR = 6;
-constexpr int kInt8NP = 1;
-
-template <int MR, int NP>
-static inline void int8_tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict w, int64_t,
-                             int64_t K4, int32_t* __restrict c) {
-  static_assert(NP == 1, "one panel per call");
-  // Few rows: KU independent accumulators per row (VPDPBUSD latency ~5).
-  constexpr int KU = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
-  __m256i acc[KU][MR][2];
-  CB_UNROLL for (int u = 0; u < KU; ++u) {
-    CB_UNROLL for (int m = 0; m < MR; ++m) acc[u][m][0] = acc[u][m][1] = _mm256_setzero_si256();
-  }
-  auto step = [&](int64_t k, int u) CB_ALWAYS_INLINE_LAMBDA {
-    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 64));
-    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 64 + 32));
-    CB_UNROLL for (int m = 0; m < MR; ++m) {
-      const __m256i av = _mm256_set1_epi32(load_i32(a + m * lda + k * 4));
-      acc[u][m][0] = _mm256_dpbusd_avx_epi32(acc[u][m][0], av, w0);
-      acc[u][m][1] = _mm256_dpbusd_avx_epi32(acc[u][m][1], av, w1);
-    }
-  };
-  const int64_t k_end = (K4 / KU) * KU;
-  for (int64_t k = 0; k < k_end; k += KU) {
-    CB_UNROLL for (int u = 0; u < KU; ++u) step(k + u, u);
-  }
-  for (int64_t k = k_end; k < K4; ++k) step(k, 0);
-  CB_UNROLL for (int m = 0; m < MR; ++m) {
-    __m256i s0 = acc[0][m][0], s1 = acc[0][m][1];
-    CB_UNROLL for (int u = 1; u < KU; ++u) {
-      s0 = _mm256_add_epi32(s0, acc[u][m][0]);
-      s1 = _mm256_add_epi32(s1, acc[u][m][1]);
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + m * 16), s0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + m * 16 + 8), s1);
   }
 }
 
