@@ -1,6 +1,8 @@
 """End to end: batch-1 decode of an int4 GPTQ checkpoint vs the bf16 model, on
 our plugin (one fresh subprocess per variant), each with its LM head in bf16
-and with `VLLM_CPU_BACKEND_LM_HEAD_QUANT=int8`.
+and with `VLLM_CPU_BACKEND_LM_HEAD_QUANT=int8`; the int4 model both W4A16
+(`VLLM_CPU_INT4_W4A8=0`: bf16 activations) and W4A8 (the default: int8
+activations per 32 inputs).
 
     .venv/bin/python -m benchmarks.e2e_wna16 [--isa avx2|avx512|portable] [--tokens 64] [--repeat 3]
 
@@ -10,7 +12,8 @@ bf16), quantized once by `cpu_backend.tools.quantize` (GPTQ 4-bit, group 128,
 sym) into the model cache. Each variant: LLM(dtype=bfloat16), one warm-up
 generation, then `--repeat` greedy generations of `--tokens` tokens from a
 16-token prompt; decode tok/s = (tokens - 1) / (total time - time to first
-token), median. Bytes read per token: every stored weight once (the tied
+token), median; then one batch of 32 prompts of 128 tokens, 32 generated each
+(generated tok/s over the whole batch, prefill included). Bytes read per token: every stored weight once (the tied
 embedding once, as the head; an int8 head as its int8 copy plus two fp32 per
 row); read bandwidth: torch.sum over 512 MiB on 2 threads before and after the
 variants (benchmarks/e2e.py), the higher median taken as the roofline.
@@ -56,10 +59,20 @@ def worker(model: str, tokens: int, repeat: int) -> dict:
         llm.generate([prompt], full, use_tqdm=False)
         t2 = time.perf_counter()
         rates.append((tokens - 1) / ((t2 - t1) - (t1 - t0)))
+    # Batched: BATCH prompts of 128 tokens, 32 generated each; prefill and decode
+    # at up to BATCH rows per linear, where the int4 kernels' compute shows.
+    batch = [{"prompt_token_ids": [100 + (7 * i + j) % 5000 for j in range(128)]} for i in range(BATCH)]
+    gen = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate(batch, gen, use_tqdm=False)
+    throughput = BATCH * 32 / (time.perf_counter() - t0)
     (rep,) = llm.collective_rpc("cpu_backend_report")
-    return {"decode_tok_s": statistics.median(rates), "samples": rates,
+    return {"decode_tok_s": statistics.median(rates), "samples": rates, "batch_tok_s": throughput,
             "linear_methods": rep["linear_methods"], "isa": rep["kernels_isa"],
-            "lm_head_quant": rep["lm_head_quant"]}
+            "lm_head_quant": rep["lm_head_quant"], "int8_act_layers": rep["wna16_int8_act_layers"]}
+
+
+BATCH = 32
 
 
 def bytes_per_token(folder: Path, int8_head: bool) -> int:
@@ -99,10 +112,14 @@ def main() -> None:
 
     bandwidth = [statistics.median(memory_bandwidth())]
     rows = []
-    for name, model, head in (("bf16", bf16, "none"), ("bf16, int8 LM head", bf16, "int8"),
-                              ("gptq int4 g128", int4, "none"), ("gptq int4 g128, int8 LM head", int4, "int8")):
+    variants = [("bf16", bf16, "none", "1"), ("bf16, int8 LM head", bf16, "int8", "1")]
+    for w4a8, label in (("0", "W4A16"), ("1", "W4A8")):
+        variants += [(f"gptq int4 g128 {label}", int4, "none", w4a8),
+                     (f"gptq int4 g128 {label}, int8 LM head", int4, "int8", w4a8)]
+    for name, model, head, w4a8 in variants:
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", **os.environ, "VLLM_CPU_BACKEND_ISA": a.isa,
-               "VLLM_CPU_BACKEND_LM_HEAD_QUANT": head, "PYTHONPATH": str(REPO)}
+               "VLLM_CPU_BACKEND_LM_HEAD_QUANT": head, "VLLM_CPU_INT4_W4A8": w4a8,
+               "PYTHONPATH": str(REPO)}
         proc = subprocess.run([sys.executable, "-m", "benchmarks.e2e_wna16", "--worker", str(model),
                                "--tokens", str(a.tokens), "--repeat", str(a.repeat)],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
@@ -113,6 +130,8 @@ def main() -> None:
         r = json.loads(line[-1][7:])
         if r["lm_head_quant"] != [head]:
             raise SystemExit(f"{name}: the worker ran LM head {r['lm_head_quant']}, not {head}")
+        if (r["int8_act_layers"] > 0) != (model == int4 and w4a8 == "1"):
+            raise SystemExit(f"{name}: {r['int8_act_layers']} layers ran W4A8")
         rows.append((name, r, bytes_per_token(model, head == "int8")))
     bandwidth.append(statistics.median(memory_bandwidth()))
     roof = max(bandwidth)
@@ -122,12 +141,15 @@ def main() -> None:
             f"{os.environ.get('VLLM_CPU_OMP_THREADS_BIND', '0-1')}; {a.tokens} tokens, median of {a.repeat}; "
             f"read bandwidth before / after the runs {bandwidth[0]:.1f} / {bandwidth[1]:.1f} GB/s "
             f"(torch.sum, 2 threads); shared 2-core machine.", "",
-            "| model | decode tok/s | vs bf16 | MB read per token | GB/s | % of read bandwidth | linear methods |",
-            "|---|---|---|---|---|---|---|"]
+            "| model | decode tok/s | vs bf16 | MB read per token | GB/s | % of read bandwidth "
+            f"| {BATCH} prompts: generated tok/s | vs bf16 | linear methods |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    base_batch = rows[0][1]["batch_tok_s"]
     for name, r, nbytes in rows:
         gbs = r["decode_tok_s"] * nbytes / 1e9
         text.append(f"| {name} | {r['decode_tok_s']:.2f} | {r['decode_tok_s'] / base:.2f}x | "
                     f"{nbytes / 1e6:.0f} | {gbs:.1f} | {100 * gbs / roof:.0f} | "
+                    f"{r['batch_tok_s']:.1f} | {r['batch_tok_s'] / base_batch:.2f}x | "
                     f"{', '.join(r['linear_methods'])} |")
     stem = "e2e_wna16" if a.isa == "avx2" else f"e2e_wna16_{a.isa}"
     out = REPO / "benchmarks" / "results" / f"{stem}.md"

@@ -58,7 +58,9 @@ def _engine_info(llm) -> dict:
         info["max_model_len"] = cfg.model_config.max_model_len
         info["model_dtype"] = str(cfg.model_config.dtype)
         info["prefix_caching"] = bool(cfg.cache_config.enable_prefix_caching)
-    with contextlib.suppress(Exception):  # ours only: what the worker really runs
+    # Ours only: what the worker really runs. Not asked of the host's worker: its
+    # engine treats the failed RPC as fatal and the next generate() waits forever.
+    if info.get("platform_module", "").startswith("cpu_backend"):
         (rep,) = llm.collective_rpc("cpu_backend_report")
         info["report"] = {k: rep[k] for k in ("worker", "attention_backends") if k in rep}
     return info

@@ -6,7 +6,8 @@ our bf16 linear (cpu_backend::linear), per ISA library.
 
 Shapes: the decoder-layer linears of Qwen2.5-0.5B (qkv 1152x896, o 896x896,
 gate_up 9728x896, down 896x4864), M = 1 (decode) and 64 (prefill); x bf16,
-int4/int8 GPTQ-style group 128 with zero points. Times are medians of
+int4/int8 GPTQ-style group 128 with zero points; int4 also W4A8 (int8_act:
+activations quantized to int8 per 32 inputs). Times are medians of
 `--iters` calls, weights rotated through copies totalling > 96 MiB so M = 1
 reads come from DRAM, like a model whose layers do not stay in cache.
 "read GB/s" counts bytes actually read per call: the packed weights
@@ -49,14 +50,16 @@ def worker(threads: int, iters: int) -> dict:
             row["bf16_ms"] = median_ms(
                 lambda i: dense.linear(x, packed[i % len(packed)], n), iters)
             row["bf16_gbs"] = n * k * 2 / row["bf16_ms"] / 1e6
-            for bits, (lays, nbytes) in quant.items():
-                def call(i, lays=lays, bits=bits):
+            for key, bits, a8 in (("int8", 8, False), ("int4", 4, False), ("w4a8", 4, True)):
+                lays, nbytes = quant[bits]
+
+                def call(i, lays=lays, bits=bits, a8=a8):
                     lay = lays[i % len(lays)]
                     torch.ops.cpu_backend.wna16_linear(x, lay["qweight"], lay["scales"], lay["zs"],
-                                                       bits, lay["group_size"], n, None, None)
+                                                       bits, lay["group_size"], n, None, None, None, a8)
                 ms = median_ms(call, iters)
-                row[f"int{bits}_ms"] = ms
-                row[f"int{bits}_gbs"] = nbytes / ms / 1e6
+                row[f"{key}_ms"] = ms
+                row[f"{key}_gbs"] = nbytes / ms / 1e6
             rows.append(row)
     return {"isa": isa, "threads": threads, "rows": rows}
 
@@ -66,17 +69,22 @@ def render(results: list[dict]) -> str:
            "Medians; GB/s = bytes actually read per call. Shared 2-core machine: noisy.", ""]
     for r in results:
         out += [f"## {r['isa']} ({r['threads']} threads)", "",
-                "| layer | M | bf16 ms | int8 ms | int4 ms | int4 speedup vs bf16 | bf16 GB/s | int8 GB/s | int4 GB/s |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| layer | M | bf16 ms | int8 ms | int4 ms | int4 W4A8 ms | int4 / W4A8 vs bf16 "
+                "| bf16 GB/s | int8 GB/s | int4 GB/s | W4A8 GB/s |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for x in r["rows"]:
             out.append(f"| {x['layer']} {x['n']}x{x['k']} | {x['m']} | {x['bf16_ms']:.3f} | "
-                       f"{x['int8_ms']:.3f} | {x['int4_ms']:.3f} | {x['bf16_ms'] / x['int4_ms']:.2f}x | "
-                       f"{x['bf16_gbs']:.1f} | {x['int8_gbs']:.1f} | {x['int4_gbs']:.1f} |")
-        dec = [x for x in r["rows"] if x["m"] == 1]
-        tot_bf16 = sum(x["bf16_ms"] for x in dec)
-        tot_int4 = sum(x["int4_ms"] for x in dec)
-        out += ["", f"One decoder layer at M=1: bf16 {tot_bf16:.3f} ms, int4 {tot_int4:.3f} ms "
-                f"({tot_bf16 / tot_int4:.2f}x)", ""]
+                       f"{x['int8_ms']:.3f} | {x['int4_ms']:.3f} | {x['w4a8_ms']:.3f} | "
+                       f"{x['bf16_ms'] / x['int4_ms']:.2f}x / {x['bf16_ms'] / x['w4a8_ms']:.2f}x | "
+                       f"{x['bf16_gbs']:.1f} | {x['int8_gbs']:.1f} | {x['int4_gbs']:.1f} | "
+                       f"{x['w4a8_gbs']:.1f} |")
+        for m in (1, 64):
+            rows = [x for x in r["rows"] if x["m"] == m]
+            tot = {key: sum(x[f"{key}_ms"] for x in rows) for key in ("bf16", "int4", "w4a8")}
+            out += ["", f"One decoder layer at M={m}: bf16 {tot['bf16']:.3f} ms, int4 {tot['int4']:.3f} ms "
+                    f"({tot['bf16'] / tot['int4']:.2f}x), W4A8 {tot['w4a8']:.3f} ms "
+                    f"({tot['bf16'] / tot['w4a8']:.2f}x)"]
+        out.append("")
     return "\n".join(out) + "\n"
 
 

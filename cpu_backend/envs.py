@@ -22,8 +22,10 @@ BACKEND_ISA = "VLLM_CPU_BACKEND_ISA"
 # Ours: run an unquantized LM head on an int8 copy of its weight.
 LM_HEAD_QUANT = "VLLM_CPU_BACKEND_LM_HEAD_QUANT"
 LM_HEAD_QUANT_CHOICES = ("none", "int8")
+# The host's: serve 4-bit checkpoints with int8 activations (W4A8), default 1.
+INT4_W4A8 = "VLLM_CPU_INT4_W4A8"
 # The host's own flags, read with bool(int(...)) deep inside its workers.
-HOST_INT_FLAGS = ("VLLM_CPU_CI_ENV", "VLLM_CPU_ATTN_SPLIT_KV", "VLLM_CPU_INT4_W4A8")
+HOST_INT_FLAGS = ("VLLM_CPU_CI_ENV", "VLLM_CPU_ATTN_SPLIT_KV", INT4_W4A8)
 
 _GiB = 1 << 30
 # "0-3,8|4-7,9": per-rank CPU lists separated by "|", ranges and single ids.
@@ -154,6 +156,18 @@ def lm_head_quant() -> str:
     if value not in LM_HEAD_QUANT_CHOICES:
         raise EnvError(LM_HEAD_QUANT, os.environ[LM_HEAD_QUANT], f"one of {list(LM_HEAD_QUANT_CHOICES)}")
     return value
+
+
+def int4_w4a8() -> bool:
+    """`VLLM_CPU_INT4_W4A8`, read as the host reads it (bool(int(...)), default 1):
+    whether 4-bit weight-only linears quantize their activations to int8."""
+    value = _raw(INT4_W4A8)
+    if value is None:
+        return True
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise EnvError(INT4_W4A8, os.environ[INT4_W4A8], "0 or 1") from None
 
 
 def host_int_flags() -> None:

@@ -21,8 +21,11 @@
 // then scaled once and the zero term added from the group's sum of x. Two
 // other paths: 4-bit weights with bf16 x on the avx512 build (AVX512-BF16)
 // run Q4PairKernel (two inputs per VDPBF16PS); from kDenseRows rows each
-// task dequantizes its panel once and runs DenseKernel. Same work split as
-// linear.cpp (panels x row blocks with at::parallel_for).
+// task dequantizes its panel once and runs DenseKernel. With int8_act (W4A8,
+// 4-bit weights, groups of multiples of 32) x is quantized to int8 per 32
+// inputs instead and Q4A8Kernel multiplies in integers (vec/vec_u4s8.h), at
+// any number of rows. Same work split as linear.cpp (panels x row blocks with
+// at::parallel_for).
 // Registered here with TORCH_LIBRARY_FRAGMENT so registration.cpp stays
 // untouched.
 #include <ATen/Parallel.h>
@@ -34,7 +37,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <iterator>
 #include <optional>
 #include <utility>
@@ -44,6 +49,7 @@
 #include "panel_tasks.h"
 #include "vec/vec.h"
 #include "vec/vec_quant.h"
+#include "vec/vec_u4s8.h"
 
 namespace cpu_backend {
 namespace {
@@ -201,6 +207,43 @@ struct Q4PairKernel {
 };
 #endif
 
+// W4A8 (int8_act, 4-bit weights, any number of rows): x quantized to int8
+// per 32 inputs (scale sx), the products exact per 32 inputs (vec_u4s8.h):
+// acc += isum * (scale * sx) per unit, then asum * zs per group with asum the
+// group's sum of the dequantized x (sx * q). On AVX2 this is ~3x fewer
+// instructions per weight than QuantKernel<4>, which is compute bound there.
+constexpr int kMRA8 = 2;  // 2 * MR int16 sums + 2 * MR accumulators of 16 ymm
+
+struct Q4A8Kernel {
+  template <int MR>
+  static void run(const int32_t* __restrict a, const float* __restrict sx, const float* __restrict asum,
+                  const uint8_t* __restrict q, const float* __restrict s, const float* __restrict zs, int64_t G,
+                  int64_t group_units, float* __restrict c) {
+    constexpr int64_t kUnitBytes = kU4S8Blocks * kBlockBytes;
+    Vec acc[MR];
+    CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = Vec::zero();
+    for (int64_t g = 0; g < G; ++g) {
+      const Vec sv = Vec::load(s + g * kNR);
+      for (int64_t u = 0; u < group_units; ++u, q += kUnitBytes, a += kU4S8Blocks * MR * 2, sx += MR) {
+        prefetch_panel<kUnitBytes>(q);
+        Vec isum[MR];
+        u4s8_unit<MR>(q, a, isum);
+        CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = fma(isum[m], sv * Vec::broadcast(sx[m]), acc[m]);
+      }
+      const Vec zv = Vec::load(zs + g * kNR);
+      CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = fma(Vec::broadcast(asum[g * MR + m]), zv, acc[m]);
+    }
+    CB_UNROLL for (int m = 0; m < MR; ++m) acc[m].store(c + m * kNR);
+  }
+};
+
+template <size_t... I>
+constexpr auto make_a8_table(std::index_sequence<I...>) {
+  using Fn = void (*)(const int32_t*, const float*, const float*, const uint8_t*, const float*, const float*,
+                      int64_t, int64_t, float*);
+  return std::array<Fn, sizeof...(I)>{&Q4A8Kernel::template run<int(I) + 1>...};
+}
+
 // The kernel's view of the input dimension: G groups of gs inputs, each
 // padded to gsp = round_up(gs, KW) rows; field scales xs[i] for i < KW.
 struct KLayout {
@@ -286,6 +329,55 @@ void pack_rows_q4_pairs(const bf16_t* x, int64_t ldx, int64_t M, const KLayout& 
   });
 }
 #endif
+
+// x rows -> int8 chunks of kMRA8 rows for Q4A8Kernel: per 32 inputs (through
+// perm when given) sx = max|x| / 127 (1 for all zeros) and q = round(x / sx)
+// (fp32, half to even), stored per block of 8 inputs and row as the words of
+// inputs (0, 2, 4, 6) and (1, 3, 5, 7): a [K / 8][mr][2], sx [K / 32][mr];
+// asum [G][mr] = the group's sum of sx * q.
+template <typename XT>
+void pack_rows_a8(const XT* x, int64_t ldx, int64_t M, const KLayout& l, const int64_t* perm, int32_t* ap,
+                  float* sx, float* asum) {
+  const int64_t K = l.G * l.gs, U = K / kU4S8Inputs;
+  for_chunk_rows(M, kMRA8, K, [&](int64_t c, int64_t r, int m, int mr) {
+    const XT* src = x + r * ldx;
+    int32_t* a = ap + c * kMRA8 * (K / 4);
+    float* cs = sx + c * kMRA8 * U;
+    float* ca = asum + c * kMRA8 * l.G;
+    for (int64_t g = 0; g < l.G; ++g) {
+      float t = 0.0f;
+      for (int64_t u = g * l.gs / kU4S8Inputs; u < (g + 1) * l.gs / kU4S8Inputs; ++u) {
+        float v[kU4S8Inputs];
+        float amax = 0.0f;
+        for (int j = 0; j < kU4S8Inputs; ++j) {
+          const int64_t k = u * kU4S8Inputs + j;
+          v[j] = to_f32(perm ? src[perm[k]] : src[k]);
+          amax = std::max(amax, std::fabs(v[j]));
+        }
+        const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+        int8_t qv[kU4S8Inputs];
+        int32_t qsum = 0;
+        for (int j = 0; j < kU4S8Inputs; ++j) {
+          qv[j] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[j] / scale))));
+          qsum += qv[j];
+        }
+        for (int b = 0; b < kU4S8Blocks; ++b) {
+          int8_t ev[4], od[4];
+          for (int j = 0; j < 4; ++j) {
+            ev[j] = qv[8 * b + 2 * j];
+            od[j] = qv[8 * b + 2 * j + 1];
+          }
+          int32_t* d = a + ((u * kU4S8Blocks + b) * mr + m) * 2;
+          std::memcpy(d, ev, 4);
+          std::memcpy(d + 1, od, 4);
+        }
+        cs[u * mr + m] = scale;
+        t += scale * float(qsum);
+      }
+      ca[g * mr + m] = t;
+    }
+  });
+}
 
 template <typename OT>
 inline void store_tile(const float* tile, int mr, const float* bias, OT* out, int64_t ldo, int nn) {
@@ -394,12 +486,31 @@ void run(const typename Kern::AT* ap, const float* asum, const uint8_t* qw, cons
   });
 }
 
+// W4A8 path: Q4A8Kernel on the packed panel.
+template <typename OT>
+void run_a8(const int32_t* ap, const float* sx, const float* asum, const uint8_t* qw, const float* sc,
+            const float* zs, const float* bias, OT* out, int64_t M, int64_t N, const KLayout& l) {
+  static constexpr auto kernels = make_a8_table(std::make_index_sequence<kMRA8>{});
+  const int64_t K = l.G * l.gs, group_blocks = l.gsp / l.kw, U = K / kU4S8Inputs;
+  const int64_t group_units = l.gs / kU4S8Inputs;
+  for_tiles<kMRA8>(M, N, M * N * K / 4, bias, out, [&](int64_t p) {
+    const uint8_t* panel = qw + p * l.G * group_blocks * kBlockBytes;
+    const float* ps = sc + p * l.G * kNR;
+    const float* pz = zs + p * l.G * kNR;
+    const int64_t G = l.G;
+    return [=](int64_t c, int mr, float* tile) {
+      kernels[mr - 1](ap + c * kMRA8 * (K / 4), sx + c * kMRA8 * U, asum + c * kMRA8 * G, panel, ps, pz, G,
+                      group_units, tile);
+    };
+  });
+}
+
 }  // namespace
 
 at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const at::Tensor& zs, int64_t bits, int64_t group_size, int64_t n,
                         const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias,
-                        std::optional<at::ScalarType> out_dtype) {
+                        std::optional<at::ScalarType> out_dtype, bool int8_act) {
   const char* op = "cpu_backend::wna16_linear";
   TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
   TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.size(2) == kBlockBytes &&
@@ -423,6 +534,9 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
                               : make_layout<8>(G, group_size, std::make_index_sequence<4>{});
   TORCH_CHECK(qweight.size(1) * l.kw == G * l.gsp, op, ": qweight has ", qweight.size(1), " blocks, ", G,
               " groups of ", group_size, " need ", G * l.gsp / l.kw);
+  TORCH_CHECK(!int8_act || (bits == 4 && group_size % kU4S8Inputs == 0), op,
+              ": int8_act needs 4-bit weights and a group size that is a multiple of ", kU4S8Inputs, ", got bits=",
+              bits, " group_size=", group_size);
   const int64_t* perm_ptr = nullptr;
   at::Tensor perm_c;
   if (perm.has_value() && perm->defined()) {
@@ -452,6 +566,27 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   at::Tensor x2 = x.reshape({M, K});
   if (K > 1 && x2.stride(1) != 1) x2 = x2.contiguous();
   const int64_t ldx = x2.stride(0);
+  const uint8_t* qw = qweight.const_data_ptr<uint8_t>();
+  const float* sc = scales.const_data_ptr<float>();
+  const float* zp = zs.const_data_ptr<float>();
+  if (int8_act) {
+    const int64_t C = ceil_div(M, kMRA8);
+    at::Tensor apack = at::empty({C * kMRA8 * K / 4}, x.options().dtype(at::kInt));
+    at::Tensor sx_t = at::empty({C * kMRA8 * (K / kU4S8Inputs)}, x.options().dtype(at::kFloat));
+    at::Tensor asum_t = at::empty({C * kMRA8 * G}, x.options().dtype(at::kFloat));
+    int32_t* ap = apack.mutable_data_ptr<int32_t>();
+    float* sx = sx_t.mutable_data_ptr<float>();
+    float* asum = asum_t.mutable_data_ptr<float>();
+    dispatch_float(x2.scalar_type(), "x", [&](auto tag) {
+      using XT = typename decltype(tag)::type;
+      pack_rows_a8(static_cast<const XT*>(x2.const_data_ptr()), ldx, M, l, perm_ptr, ap, sx, asum);
+    });
+    dispatch_float(out.scalar_type(), "x", [&](auto otag) {
+      using OT = typename decltype(otag)::type;
+      run_a8(ap, sx, asum, qw, sc, zp, bias_ptr, static_cast<OT*>(out.mutable_data_ptr()), M, n, l);
+    });
+    return out;
+  }
   const bool dense = M >= kDenseRows;
 #if defined(CPU_BACKEND_HAS_DPBF16)
   const bool q4_pairs = bits == 4 && !dense && x2.scalar_type() == at::kBFloat16;
@@ -478,9 +613,6 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
       pack_rows(static_cast<const XT*>(x2.const_data_ptr()), ldx, M, xl, perm_ptr, chunk, ap, asum);
     });
   }
-  const uint8_t* qw = qweight.const_data_ptr<uint8_t>();
-  const float* sc = scales.const_data_ptr<float>();
-  const float* zp = zs.const_data_ptr<float>();
   dispatch_float(out.scalar_type(), "x", [&](auto otag) {
     using OT = typename decltype(otag)::type;
     OT* o = static_cast<OT*>(out.mutable_data_ptr());
@@ -504,7 +636,7 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 TORCH_LIBRARY_FRAGMENT(cpu_backend, m) {
   m.def(
       "wna16_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zs, int bits, int group_size, int n, "
-      "Tensor? perm=None, Tensor? bias=None, ScalarType? out_dtype=None) -> Tensor");
+      "Tensor? perm=None, Tensor? bias=None, ScalarType? out_dtype=None, bool int8_act=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cpu_backend, CPU, m) { m.impl("wna16_linear", &cpu_backend::wna16_linear); }

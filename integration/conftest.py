@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import os
 
 import pytest
@@ -95,15 +96,18 @@ def greedy(llm, prompts: list[list[int]], max_tokens: int):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def hf_greedy(model: str, prompts: list[list[int]], max_tokens: int, dtype="float32"):
+def hf_greedy(model: str, prompts: list[list[int]], max_tokens: int, dtype="float32", prepare=None):
     """transformers greedy continuations: plain argmax of the logits at every
     step, one prompt at a time (no padding, no logits processors, EOS is just
-    another token, as with vLLM's `ignore_eos`)."""
+    another token, as with vLLM's `ignore_eos`). `prepare(model)`, if given,
+    runs on the loaded model first (e.g. to add forward hooks)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
     hf.eval()
+    if prepare is not None:
+        prepare(hf)
     outs = []
     with torch.no_grad():
         for prompt in prompts:
@@ -119,6 +123,26 @@ def hf_greedy(model: str, prompts: list[list[int]], max_tokens: int, dtype="floa
                 )
             outs.append(new)
     return outs
+
+
+def prompt_logprobs(llm, token_ids: list[int]) -> list[dict]:
+    """vLLM's prompt logprobs (top 2 and the actual token) after the first token."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=2, temperature=0.0)
+    (out,) = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)
+    return out.prompt_logprobs[1:]
+
+
+def summary(logprobs: list[dict], token_ids: list[int]) -> dict:
+    """Perplexity, and per position the top-1 token and its lead over the top-2."""
+    nll = [-lp[tok].logprob for lp, tok in zip(logprobs, token_ids[1:])]
+    tops = []
+    for lp in logprobs:
+        ranked = sorted(lp.items(), key=lambda kv: kv[1].rank)
+        best = [(tok, v.logprob) for tok, v in ranked if v.rank in (1, 2)]
+        tops.append((best[0][0], best[0][1] - best[1][1] if len(best) > 1 else math.inf))
+    return {"ppl": math.exp(sum(nll) / len(nll)), "tops": tops}
 
 
 def report(llm) -> dict:

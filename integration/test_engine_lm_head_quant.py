@@ -12,34 +12,14 @@ figures measured when this was written (docs/quantization.md), with margin.
 
 from __future__ import annotations
 
-import math
 import pytest
 
-from integration.conftest import report, running_llm
+from integration.conftest import prompt_logprobs, report, running_llm, summary
 
 DECIDED_NATS = 0.5
 # mode -> (max perplexity ratio either way, min top-1 agreement at decided
 # positions); measured (02:11 UTC): x0.9969, 497 of 497
 BOUNDS = {"int8": (1.005, 0.995)}
-
-
-def prompt_logprobs(llm, token_ids: list[int]) -> list[dict]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=2, temperature=0.0)
-    (out,) = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)
-    return out.prompt_logprobs[1:]
-
-
-def summary(logprobs: list[dict], token_ids: list[int]) -> dict:
-    """Perplexity, and per position the top-1 token and its lead over the top-2."""
-    nll = [-lp[tok].logprob for lp, tok in zip(logprobs, token_ids[1:])]
-    tops = []
-    for lp in logprobs:
-        ranked = sorted(lp.items(), key=lambda kv: kv[1].rank)
-        best = [(tok, v.logprob) for tok, v in ranked if v.rank in (1, 2)]
-        tops.append((best[0][0], best[0][1] - best[1][1] if len(best) > 1 else math.inf))
-    return {"ppl": math.exp(sum(nll) / len(nll)), "tops": tops}
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ under test.
 Greedy continuations must be equal (fp32 activations on both sides; the tiny
 model's greedy top-2 margins are > 1e-2, the kernel's fp32 error is ~1e-6).
 The worker report proves our linear method ran and which library it used.
+The 4-bit checkpoints run again with W4A8 (int8 activations per 32 inputs, the
+default), against the same reference with its linears' inputs quantized alike.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from integration.conftest import greedy, hf_greedy, report, running_llm
 from plugin_tests import quant_reference as ref
 
 NEW_TOKENS = 24
+NEAR_TIE = 0.1  # logits: W4A8 may part ways with its reference only at a closer top-2
 CASES = {
     # name: (format, bits, group_size, sym, desc_act)
     "gptq-4bit-g32-sym-act-order": ("gptq", 4, 32, True, True),
@@ -108,6 +111,7 @@ def test_quantized_checkpoint_matches_dequantized_transformers(case, checkpoints
     if "avx2" not in isa.supported_paths():
         pytest.skip("this CPU cannot run the avx2 library")
     monkeypatch.setenv("VLLM_CPU_BACKEND_ISA", "avx2")
+    monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "0")  # weight-only: activations stay fp32
     qdir, dense = checkpoints[case]
     prompts = random_prompts([1, 6, 17, 40])
     with running_llm(str(qdir), dtype="float32", block_size=16) as llm:
@@ -118,8 +122,88 @@ def test_quantized_checkpoint_matches_dequantized_transformers(case, checkpoints
     assert rep["kernels_isa"] == "avx2"
     assert "WNA16LinearMethod" in rep["linear_methods"]
     assert rep["wna16_linear_calls"] > 0
+    assert rep["wna16_int8_act_layers"] == 0
     want = hf_greedy(str(dense), prompts, NEW_TOKENS)
     assert got == want
+
+
+def int8_activation_hooks(qdir: Path):
+    """prepare() for hf_greedy: every linear that is quantized in the checkpoint
+    gets its input quantized as the W4A8 path does (plugin_tests/quant_reference.py
+    int8_activations_per32; act-order inputs taken in g_idx order, stably)."""
+    import torch
+    from safetensors.torch import load_file
+
+    state = load_file(qdir / "model.safetensors")
+    quantized = {name.rpartition(".")[0] for name in state
+                 if name.endswith((".qweight", ".weight_packed"))}
+
+    def prepare(model):
+        for name, module in model.named_modules():
+            if name not in quantized:
+                continue
+            g_idx = state.get(f"{name}.g_idx")
+            perm = None
+            if g_idx is not None:
+                order = torch.sort(g_idx.long(), stable=True).indices
+                if not bool((order == torch.arange(len(order))).all()):
+                    perm = order
+
+            def hook(mod, args, perm=perm):
+                return (ref.int8_activations_per32(args[0], perm).to(args[0].dtype),)
+
+            module.register_forward_pre_hook(hook)
+    return prepare
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gptq-4bit-g32-sym-act-order", "awq-4bit-g64", "ct-w4a16-g64-asym"])
+def test_w4a8_matches_transformers_with_int8_activations(case, checkpoints, monkeypatch):
+    """VLLM_CPU_INT4_W4A8 (the host's flag, default on): 4-bit layers quantize
+    their input to int8 per 32 inputs. Reference: the dequantized model in
+    transformers with each quantized linear's input quantized the same way;
+    greedy continuations equal (prefill and decode both run W4A8), except
+    after a near-tie: rounding x to 8 bits turns fp32-level differences between
+    the two implementations into one-step differences of single inputs, which
+    can flip a top-2 that close (seen: 0.026 logits apart). A prompt may then
+    part ways where the reference's top-2 are within NEAR_TIE and ours took the
+    other of the two; at most one prompt of four."""
+    from cpu_backend import isa
+    from cpu_backend.quantization import register
+
+    register()
+    if "avx2" not in isa.supported_paths():
+        pytest.skip("this CPU cannot run the avx2 library")
+    monkeypatch.setenv("VLLM_CPU_BACKEND_ISA", "avx2")
+    monkeypatch.delenv("VLLM_CPU_INT4_W4A8", raising=False)
+    qdir, dense = checkpoints[case]
+    prompts = random_prompts([1, 6, 17, 40])
+    with running_llm(str(qdir), dtype="float32", block_size=16) as llm:
+        got = [list(o.outputs[0].token_ids) for o in greedy(llm, prompts, NEW_TOKENS)]
+        rep = report(llm)
+    assert rep["kernels_isa"] == "avx2"
+    assert rep["wna16_int8_act_layers"] > 0
+    prepare = int8_activation_hooks(qdir)
+    want = hf_greedy(str(dense), prompts, NEW_TOKENS, prepare=prepare)
+    parted = [(i, next(j for j, (a, b) in enumerate(zip(g, w)) if a != b))
+              for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert len(parted) <= 1, parted
+    for i, j in parted:
+        margin = hf_logit_gap(str(dense), prompts[i] + want[i][:j], want[i][j], got[i][j], prepare)
+        assert 0 <= margin < NEAR_TIE, (i, j, margin)
+
+
+def hf_logit_gap(model: str, context: list[int], first: int, second: int, prepare) -> float:
+    """The reference's next-token logit of `first` minus that of `second`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf.eval()
+    prepare(hf)
+    with torch.no_grad():
+        logits = hf(torch.tensor([context])).logits[0, -1]
+    return float(logits[first] - logits[second])
 
 
 @pytest.mark.parametrize("key,value,message", [

@@ -1,7 +1,9 @@
 """Perplexity of SmolLM2-135M-Instruct quantized by `cpu_backend.tools.quantize`
 (GPTQ 4-bit g64 sym, GPTQ 8-bit per-channel, AWQ 4-bit g64, compressed-tensors
 W8A8 INT8 with dynamic per-token activations), run by vLLM on our kernels with
-bf16 activations, vs the same model in bf16 on our bf16 linear.
+bf16 activations (the 4-bit ones with int8 activations per 32 inputs: W4A8,
+the default; integration/test_engine_w4a8.py compares it with W4A16), vs the
+same model in bf16 on our bf16 linear.
 
 Text: integration/data/perplexity_text.txt (the history section of Python's
 LICENSE file, fixed). Perplexity = exp(mean NLL of every token after the

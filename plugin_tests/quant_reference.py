@@ -60,3 +60,22 @@ def ct_dequantize(weight_packed, weight_scale, weight_zero_point, bits, shape):
     zp = torch.repeat_interleave(zp, gs, dim=1)
     sc = torch.repeat_interleave(weight_scale.double(), gs, dim=1)
     return (q - zp) * sc
+
+
+def int8_activations_per32(x, perm=None):
+    """The activations the W4A8 path (wna16_linear's int8_act) multiplies, in
+    float64: inputs taken in `perm` order (GPTQ act-order; None = as stored),
+    cut into blocks of 32, each quantized to round(x / s) with s = max|x| / 127
+    in float32 (1 for an all-zero block), then put back in input order."""
+    xf = x.float().reshape(-1, x.shape[-1])
+    xp = xf[:, perm] if perm is not None else xf
+    blocks = xp.reshape(xp.shape[0], -1, 32)
+    s = blocks.abs().amax(-1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    deq = (torch.round(blocks / s).clamp(-127, 127).double() * s.double()).reshape(xp.shape)
+    out = torch.empty_like(deq)
+    if perm is not None:
+        out[:, perm] = deq
+    else:
+        out = deq
+    return out.reshape(x.shape)

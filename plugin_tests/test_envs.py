@@ -60,6 +60,17 @@ def test_lm_head_quant(monkeypatch):
         assert envs.lm_head_quant() == mode
 
 
+def test_int4_w4a8_reads_as_the_host_reads_it(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_INT4_W4A8", raising=False)
+    assert envs.int4_w4a8() is True  # the host's default
+    for value, on in (("0", False), ("1", True), ("2", True), (" 0 ", False)):
+        monkeypatch.setenv("VLLM_CPU_INT4_W4A8", value)
+        assert envs.int4_w4a8() is on
+    monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "yes")
+    with pytest.raises(envs.EnvError, match="VLLM_CPU_INT4_W4A8"):
+        envs.int4_w4a8()
+
+
 def test_threads_bind(monkeypatch):
     for mode in ("auto", "all", "nobind"):
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", mode)

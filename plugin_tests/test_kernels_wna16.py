@@ -13,6 +13,12 @@ builds, from 16 rows: several chunks, a partial one), N = 48, 40 and 104 (partia
 x fp32/bf16/fp16, with and without bias; AWQ 4-bit through the same path (bf16 x, also with
 float32 output, what the LM head asks for; on the odd-K cases too); odd K
 (37, 39, 66 in groups of 33, 6 in groups of 2) against the integer view directly.
+
+W4A8 (int8_act=True): every 4-bit case of the grid above and the AWQ ones
+again, against x quantized by the independent reference
+(quant_reference.int8_activations_per32: per 32 inputs in the kernel's perm
+order) times the same dequantized weights, same tolerance (the products are
+exact integers, the scaling fp32); plus all-zero and all-negative blocks.
 """
 
 from __future__ import annotations
@@ -43,12 +49,14 @@ def _worker() -> dict:
     failures, cases, worst = [], 0, 0.0
     rel_out = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
-    def check(label, x, w_ref, bias, lay, bits, n, out_dtype=None):
+    def check(label, x, w_ref, bias, lay, bits, n, out_dtype=None, int8_act=False):
         nonlocal cases, worst
         y = torch.ops.cpu_backend.wna16_linear(x, lay["qweight"], lay["scales"], lay["zs"], bits,
-                                               lay["group_size"], n, lay["perm"], bias, out_dtype)
-        want = x.double() @ w_ref.T
-        mag = x.double().abs() @ w_ref.abs().T
+                                               lay["group_size"], n, lay["perm"], bias, out_dtype,
+                                               int8_act)
+        xr = ref.int8_activations_per32(x, lay["perm"]) if int8_act else x.double()
+        want = xr @ w_ref.T
+        mag = xr.abs() @ w_ref.abs().T
         if bias is not None:
             want = want + bias.double()
             mag = mag + bias.double().abs()
@@ -78,6 +86,9 @@ def _worker() -> dict:
                                 bias = torch.randn(n, generator=gen).to(dt) if m == 3 else None
                                 check(f"gptq b{bits} g{gs} sym{sym} act{act} {m}x{k}x{n} {dt}",
                                       x, w_ref, bias, lay, bits, n)
+                                if bits == 4:
+                                    check(f"gptq W4A8 g{gs} sym{sym} act{act} {m}x{k}x{n} {dt}",
+                                          x, w_ref, bias, lay, bits, n, int8_act=True)
     for gs in (-1, 32, 64, 128):
         w = torch.randn(64, 256, generator=gen) * 0.05
         v = formats.quantize_rtn(w, 4, gs, False)
@@ -89,6 +100,18 @@ def _worker() -> dict:
             x = torch.randn(2, m, 256, generator=gen).bfloat16()  # 3-D x
             check(f"awq g{gs} m{m}", x, w_ref, None, lay, 4, 64)
             check(f"awq g{gs} m{m} float32 out", x, w_ref, None, lay, 4, 64, torch.float32)
+            check(f"awq W4A8 g{gs} m{m} float32 out", x, w_ref, None, lay, 4, 64, torch.float32, True)
+    # W4A8: an all-zero block (scale 1), and blocks whose max sits at -max
+    w = torch.randn(32, 128, generator=gen) * 0.05
+    v = formats.quantize_rtn(w, 4, 64, False)
+    gi = v["g_idx"].long()
+    w_ref = (v["q"].double() - v["zero"].double()[:, gi]) * v["scale"].double()[:, gi]
+    lay = formats.kernel_layout(v["q"], v["zero"], v["scale"], v["g_idx"], 4)
+    x = torch.randn(4, 128, generator=gen)
+    x[0, :32] = 0
+    x[1, 32:64] = -x[1, 32:64].abs()
+    x[2] = 0
+    check("W4A8 zero and negative blocks", x, w_ref, None, lay, 4, 32, int8_act=True)
     # odd K (not a multiple of the kernel's k unroll) straight from the integer view
     for bits in (4, 8):
         for k, gs in ((37, -1), (39, -1), (66, 33), (6, 2)):
@@ -110,7 +133,7 @@ def _worker() -> dict:
 @pytest.mark.parametrize("isa_path", ISA_PATHS)
 def test_wna16_linear_matches_reference(isa_path):
     result = run_worker(__file__, isa_path)
-    assert result["cases"] >= 1224
+    assert result["cases"] >= 1224 + 585
     assert result["failures"] == [], result["failures"][:20]
 
 
@@ -129,6 +152,13 @@ def test_wna16_linear_rejects_bad_operands():
         torch.ops.cpu_backend.wna16_linear(x, q, s, s, 4, 48, 16)
     with pytest.raises(RuntimeError, match="x must be"):
         torch.ops.cpu_backend.wna16_linear(torch.randn(1, 63), q, s, s, 4, 32, 16)
+    q8 = torch.zeros(1, 16, 64, dtype=torch.uint8)  # the same K in 8-bit
+    with pytest.raises(RuntimeError, match="int8_act needs 4-bit weights"):
+        torch.ops.cpu_backend.wna16_linear(x, q8, s, s, 8, 32, 16, int8_act=True)
+    with pytest.raises(RuntimeError, match="int8_act needs 4-bit weights and a group size"):
+        torch.ops.cpu_backend.wna16_linear(torch.randn(1, 32), torch.zeros(1, 4, 64, dtype=torch.uint8),
+                                           torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), 4, 16, 16,
+                                           int8_act=True)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:

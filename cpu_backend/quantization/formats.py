@@ -29,6 +29,7 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # takes column c from nibble AWQ_REVERSE_ORDER[c].
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 KERNEL_NR = 16  # output columns per panel in csrc/linear_wna16.cpp
+A8_INPUTS = 32  # inputs per int8 activation scale of its W4A8 path (int8_act)
 
 
 def _shifts(bits: int) -> torch.Tensor:

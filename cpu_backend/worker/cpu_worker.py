@@ -170,6 +170,8 @@ class CpuBackendWorker(CPUWorker):
             "attention_forward_calls": CpuBackendAttentionImpl.forward_calls,
             "memory": self._memory_report(model),
             "wna16_linear_calls": WNA16LinearMethod.apply_calls,
+            "wna16_int8_act_layers": sum(bool(getattr(m, "cpu_backend_int8_act", False))
+                                         for m in model.modules()),
             "w8a8_linear_calls": CpuBackendInt8ScaledMMLinearKernel.apply_calls,
             "moe_methods": describe_moe(model),
             "moe_experts_calls": MOE_CALLS["experts"],
