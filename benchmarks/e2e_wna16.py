@@ -37,6 +37,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 REPO = Path(__file__).resolve().parent.parent
+BATCH, BATCH_IN, BATCH_OUT = 32, 128, 32  # the batched measurement: prompts, tokens in, tokens out
 
 
 def worker(model: str, tokens: int, repeat: int) -> dict:
@@ -59,20 +60,17 @@ def worker(model: str, tokens: int, repeat: int) -> dict:
         llm.generate([prompt], full, use_tqdm=False)
         t2 = time.perf_counter()
         rates.append((tokens - 1) / ((t2 - t1) - (t1 - t0)))
-    # Batched: BATCH prompts of 128 tokens, 32 generated each; prefill and decode
-    # at up to BATCH rows per linear, where the int4 kernels' compute shows.
-    batch = [{"prompt_token_ids": [100 + (7 * i + j) % 5000 for j in range(128)]} for i in range(BATCH)]
-    gen = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    # Batched: prefill and decode at up to BATCH rows per linear, where the int4
+    # kernels' compute shows.
+    batch = [{"prompt_token_ids": [100 + (7 * i + j) % 5000 for j in range(BATCH_IN)]} for i in range(BATCH)]
+    gen = SamplingParams(temperature=0.0, max_tokens=BATCH_OUT, ignore_eos=True)
     t0 = time.perf_counter()
     llm.generate(batch, gen, use_tqdm=False)
-    throughput = BATCH * 32 / (time.perf_counter() - t0)
+    throughput = BATCH * BATCH_OUT / (time.perf_counter() - t0)
     (rep,) = llm.collective_rpc("cpu_backend_report")
     return {"decode_tok_s": statistics.median(rates), "samples": rates, "batch_tok_s": throughput,
             "linear_methods": rep["linear_methods"], "isa": rep["kernels_isa"],
             "lm_head_quant": rep["lm_head_quant"], "int8_act_layers": rep["wna16_int8_act_layers"]}
-
-
-BATCH = 32
 
 
 def bytes_per_token(folder: Path, int8_head: bool) -> int:

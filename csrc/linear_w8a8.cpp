@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "int8_quant.h"
 #include "panel_tasks.h"
 #include "vec/vec.h"
 #include "vec/vec_int8.h"
@@ -53,8 +54,6 @@ struct ActQuant {
   float scale;   // static only
   int32_t zp;    // static only
 };
-
-static inline int32_t clamp_q(float r) { return int32_t(std::min(127.0f, std::max(-127.0f, r))); }
 
 // One row x[0..K) -> q[0..Kp) (bytes, ^ kActXor; tail zero before the xor),
 // its scale and zero point.
@@ -78,7 +77,7 @@ void quantize_row(const XT* x, int64_t K, int64_t Kp, const ActQuant& aq, uint8_
       zp = int32_t(std::nearbyint(-127.0f - mn / s));
     } else {
       const float amax = std::max(std::fabs(mn), std::fabs(mx));
-      s = amax > 0.0f ? amax / 127.0f : 1.0f;
+      s = int8_sym_scale(amax);
     }
   }
   for (int64_t k = 0; k < K; ++k) {

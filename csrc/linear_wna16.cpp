@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "dtype.h"
+#include "int8_quant.h"
 #include "panel_tasks.h"
 #include "vec/vec.h"
 #include "vec/vec_quant.h"
@@ -354,11 +355,11 @@ void pack_rows_a8(const XT* x, int64_t ldx, int64_t M, const KLayout& l, const i
           v[j] = to_f32(perm ? src[perm[k]] : src[k]);
           amax = std::max(amax, std::fabs(v[j]));
         }
-        const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+        const float scale = int8_sym_scale(amax);
         int8_t qv[kU4S8Inputs];
         int32_t qsum = 0;
         for (int j = 0; j < kU4S8Inputs; ++j) {
-          qv[j] = int8_t(std::min(127.0f, std::max(-127.0f, std::nearbyint(v[j] / scale))));
+          qv[j] = int8_t(clamp_q(std::nearbyint(v[j] / scale)));
           qsum += qv[j];
         }
         for (int b = 0; b < kU4S8Blocks; ++b) {

@@ -1,6 +1,6 @@
 // Unsigned 4-bit weights times signed 8-bit activations, 32 inputs at a time,
 // for the W4A8 option of the weight-only linear (linear_wna16.cpp,
-// VLLM_CPU_BACKEND_WNA16_ACT_QUANT=int8). One branch per ISA family.
+// VLLM_CPU_INT4_W4A8, the default). One branch per ISA family.
 //
 // Weights: linear_wna16's 64-byte blocks (16 words, one per column; nibble i of
 // a word is input 8b + i). Byte j of a word holds inputs 2j (low nibble) and
