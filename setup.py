@@ -54,8 +54,11 @@ X86 = platform.machine() in ("x86_64", "AMD64")
 # avx_vnni is the avx2 library plus 256-bit VNNI (AVX-VNNI: Intel Alder Lake and
 # later client parts, Sierra Forest), which only the int8 dot products use.
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
+# portable: -O2 (the last -O wins). With -O3 its attention.cpp alone took
+# 13.5 min of a CI build on 2 cores; -O2 and no forced inlining (vec_common.h)
+# take ~1.5 min.
 ISA_LIBS = {
-    "portable": (["CPU_BACKEND_ISA_PORTABLE"], []),
+    "portable": (["CPU_BACKEND_ISA_PORTABLE"], ["-O2"]),
 }
 if X86:
     ISA_LIBS["avx2"] = (["CPU_BACKEND_ISA_AVX2"], AVX2_FLAGS)

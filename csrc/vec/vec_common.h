@@ -119,7 +119,10 @@ inline fp16_t from_f32<fp16_t>(float v) { return to_fp16(v); }
 
 }  // namespace cpu_backend
 
-#if defined(__GNUC__)
+// The portable library does not force inlining: its float[16] loops, forced
+// into each kernel, made GCC spend 13.5 min on attention.cpp alone (alias
+// walking over huge functions); GCC's own inlining decisions take ~1/10.
+#if defined(__GNUC__) && !defined(CPU_BACKEND_ISA_PORTABLE)
 #define CB_ALWAYS_INLINE inline __attribute__((always_inline))
 #define CB_ALWAYS_INLINE_LAMBDA __attribute__((always_inline))
 #define CB_UNROLL _Pragma("GCC unroll 32")
