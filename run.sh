@@ -41,11 +41,13 @@ install() {
     stamp_of requirements-test.txt > "$test_stamp"
   fi
   local src_stamp=$VENV/.cpu-backend-installed
+  # Only the kernel libraries this CPU can run (setup.py); wheels carry all of them.
+  local isas=${CPU_BACKEND_BUILD_ISAS:-native}
   local now
-  now=$(stamp_of pyproject.toml setup.py $(git ls-files -co --exclude-standard cpu_backend csrc 2>/dev/null | sort))
+  now="$isas $(stamp_of pyproject.toml setup.py $(git ls-files -co --exclude-standard cpu_backend csrc 2>/dev/null | sort))"
   if [ "$(cat "$src_stamp" 2>/dev/null)" != "$now" ]; then
-    log "building and installing cpu_backend (native kernels; incremental in ./build)"
-    "$PY" -m pip install --quiet --no-deps --no-build-isolation .
+    log "building and installing cpu_backend (native kernels for this CPU: $isas; incremental in ./build)"
+    CPU_BACKEND_BUILD_ISAS=$isas "$PY" -m pip install --quiet --no-deps --no-build-isolation .
     echo "$now" > "$src_stamp"
   fi
 }

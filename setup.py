@@ -14,10 +14,14 @@ ccache/sccache is used automatically when on PATH (torch's BuildExtension).
 Objects go to build/temp*/<isa>/ so rebuilds are incremental (ninja).
 CPU_BACKEND_SKIP_KERNELS=1 builds without native kernels (then
 cpu_backend.ops.load() raises KernelsNotBuilt).
+CPU_BACKEND_BUILD_ISAS=native builds only the libraries this CPU can run
+(cpu_backend.isa.supported_paths(): avx2 and portable on an AVX2 machine, half
+the compile time). ./run.sh's local install uses it; wheels carry every library.
 """
 
 import os
 import platform
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -70,6 +74,28 @@ if X86:
     )
 
 
+def libraries_to_build() -> dict:
+    """ISA_LIBS, or the part of it CPU_BACKEND_BUILD_ISAS names."""
+    wanted = os.environ.get("CPU_BACKEND_BUILD_ISAS", "all").strip() or "all"
+    if wanted == "all":
+        return ISA_LIBS
+    if wanted == "native":
+        sys.path.insert(0, str(ROOT))  # both modules are torch-free
+        from cpu_backend import isa as isa_paths
+        from cpu_backend.ops import LIBRARY_FOR_PATH
+
+        names = {LIBRARY_FOR_PATH[path] for path in isa_paths.supported_paths()}
+    else:
+        names = {n.strip() for n in wanted.split(",") if n.strip()}
+    unknown = names - set(ISA_LIBS)
+    if unknown or not names:
+        raise SystemExit(
+            f"CPU_BACKEND_BUILD_ISAS={wanted!r}: expected 'all', 'native' or a comma list of "
+            f"{sorted(ISA_LIBS)}; unknown: {sorted(unknown)}"
+        )
+    return {isa: flags for isa, flags in ISA_LIBS.items() if isa in names}
+
+
 def ext_modules():
     if os.environ.get("CPU_BACKEND_SKIP_KERNELS") == "1":
         return [], {}
@@ -96,7 +122,7 @@ def ext_modules():
             extra_link_args=["-fopenmp"],
             py_limited_api=True,  # no Python API used: do not link libtorch_python
         )
-        for isa, (macros, flags) in ISA_LIBS.items()
+        for isa, (macros, flags) in libraries_to_build().items()
     ]
     # plain `_kernels_<isa>.so` names: loaded with torch.ops.load_library
     return exts, {"build_ext": BuildKernels.with_options(no_python_abi_suffix=True)}

@@ -52,7 +52,9 @@ case "$cmd" in
     mkdir -p "$out"
     # --no-isolation: compile against the CPU torch installed above; an isolated
     # build would fetch a torch of its own (a CUDA build on x86 from PyPI).
-    (cd "$src" && MAX_JOBS=${MAX_JOBS:-2} "$py" -m build --no-isolation --outdir "$out" >&2)
+    # The wheel carries every ISA library, whatever CPU builds it (setup.py).
+    (cd "$src" && MAX_JOBS=${MAX_JOBS:-2} CPU_BACKEND_BUILD_ISAS=all \
+      "$py" -m build --no-isolation --outdir "$out" >&2)
     ls "$out"/vllm_cpu_backend-*.whl
     ;;
   host)

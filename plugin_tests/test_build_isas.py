@@ -1,0 +1,72 @@
+"""setup.py's CPU_BACKEND_BUILD_ISAS: which kernel libraries a build compiles.
+
+`native` (./run.sh's local install) must build a library for every path
+`cpu_backend.isa` can select on this CPU and nothing else; unset and `all` (the
+wheel) build every library; a bad value stops the build with a message naming
+the variable. setup.py runs in a subprocess with `setuptools.setup` replaced by
+a function that prints the extension names, so nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpu_backend import isa
+from cpu_backend.ops import LIBRARY_FOR_PATH
+
+REPO = Path(__file__).resolve().parent.parent
+X86 = platform.machine() in ("x86_64", "AMD64")
+ALL = {"avx512", "avx_vnni", "avx2", "portable"} if X86 else {"portable"}
+
+_PRINT_EXTENSIONS = """
+import json, runpy, setuptools, sys
+setuptools.setup = lambda **kw: print(json.dumps(
+    [e.name.rsplit("_kernels_", 1)[1] for e in kw.get("ext_modules", [])]))
+sys.argv = ["setup.py"]
+runpy.run_path("setup.py", run_name="__main__")
+"""
+
+
+def _build(value: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("CPU_BACKEND_BUILD_ISAS",
+                                                           "CPU_BACKEND_SKIP_KERNELS")}
+    if value is not None:
+        env["CPU_BACKEND_BUILD_ISAS"] = value
+    return subprocess.run([sys.executable, "-c", _PRINT_EXTENSIONS], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _libraries(value: str | None) -> set[str]:
+    proc = _build(value)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return set(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("value", [None, "all"])
+def test_default_and_all_build_every_library(value):
+    assert _libraries(value) == ALL
+
+
+def test_native_builds_exactly_what_this_cpu_can_select():
+    expected = {LIBRARY_FOR_PATH[path] for path in isa.supported_paths()}
+    assert "portable" in expected
+    assert _libraries("native") == expected
+
+
+def test_a_list_builds_those_libraries():
+    assert _libraries(" portable ") == {"portable"}
+
+
+@pytest.mark.parametrize("value", ["avx3", ","])
+def test_a_bad_value_stops_the_build_naming_the_variable(value):
+    proc = _build(value)
+    assert proc.returncode != 0
+    assert f"CPU_BACKEND_BUILD_ISAS={value!r}" in proc.stderr
+    assert "'native'" in proc.stderr
