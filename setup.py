@@ -17,6 +17,8 @@ cpu_backend.ops.load() raises KernelsNotBuilt).
 CPU_BACKEND_BUILD_ISAS=native builds only the libraries this CPU can run
 (cpu_backend.isa.supported_paths(): avx2 and portable on an AVX2 machine, half
 the compile time). ./run.sh's local install uses it; wheels carry every library.
+A build drops from its build directory any _kernels_*.so it did not build, so a
+narrower rebuild in the same checkout never packs a stale library.
 """
 
 import os
@@ -103,6 +105,19 @@ def ext_modules():
 
     class BuildKernels(BuildExtension):
         """One object directory per library: the same sources build once per ISA."""
+
+        def run(self):
+            super().run()
+            if not self.inplace:
+                self._drop_libraries_not_built()
+
+        def _drop_libraries_not_built(self):
+            # setuptools packs all of build_lib: a library left there by an earlier,
+            # wider build (CPU_BACKEND_BUILD_ISAS=all, then native) would ship stale.
+            built = {Path(p).resolve() for p in self.get_outputs()}
+            for lib in (Path(self.build_lib) / "cpu_backend").glob("_kernels_*.so"):
+                if lib.resolve() not in built:
+                    lib.unlink()
 
         def build_extension(self, ext):
             base = self.build_temp

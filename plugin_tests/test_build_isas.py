@@ -68,3 +68,35 @@ def test_a_bad_value_stops_the_build_naming_the_variable(value):
     assert proc.returncode != 0
     assert f"CPU_BACKEND_BUILD_ISAS={value!r}" in proc.stderr
     assert "'native'" in proc.stderr
+
+
+_BUILD_WITHOUT_COMPILING = """
+import pathlib, runpy, sys
+from torch.utils import cpp_extension
+
+def write_empty_library(self, ext):  # stands in for the compiler and linker
+    out = pathlib.Path(self.get_ext_fullpath(ext.name))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(b"")
+
+cpp_extension.BuildExtension.build_extension = write_empty_library
+sys.argv = ["setup.py", "-q", "build_ext", "--build-lib", sys.argv[1], "--build-temp", sys.argv[2]]
+runpy.run_path("setup.py", run_name="__main__")
+"""
+
+
+def test_a_narrower_build_drops_libraries_an_earlier_build_left(tmp_path):
+    """`all` then `native` in one build directory: the wheel must not pack the stale libraries."""
+    lib_dir = tmp_path / "lib" / "cpu_backend"
+
+    def build(value):
+        env = {k: v for k, v in os.environ.items() if k != "CPU_BACKEND_SKIP_KERNELS"}
+        env["CPU_BACKEND_BUILD_ISAS"] = value
+        proc = subprocess.run([sys.executable, "-c", _BUILD_WITHOUT_COMPILING,
+                               str(tmp_path / "lib"), str(tmp_path / "temp")],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return {p.name for p in lib_dir.glob("_kernels_*.so")}
+
+    assert build("all") == {f"_kernels_{name}.so" for name in ISA_LIBS}
+    assert build("portable") == {"_kernels_portable.so"}
