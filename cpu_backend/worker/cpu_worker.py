@@ -33,7 +33,7 @@ from cpu_backend.ops.moe_layers import register_moe
 from cpu_backend.quantization import register as register_quantization
 from cpu_backend.worker import binding as cpu_binding
 from cpu_backend.worker import checkpoint_files, memory
-from cpu_backend.worker.model_runner import CpuBackendModelRunner
+from cpu_backend.worker.model_runner import CpuBackendModelRunner, kv_cache_bytes
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -184,11 +184,11 @@ class CpuBackendWorker(CPUWorker):
     def _memory_report(self, model) -> dict:
         """Bytes: what the KV plan saw and what the process holds now."""
         plan = self.kv_plan
-        kv_tensors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                      for t in self.model_runner.kv_caches if isinstance(t, torch.Tensor)}
+        kv_allocated, kv_huge_pages = kv_cache_bytes(self.model_runner.kv_caches)
         return {
             "weights": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "kv_allocated": sum(kv_tensors.values()),
+            "kv_allocated": kv_allocated,
+            "kv_huge_pages": kv_huge_pages,
             "kv_planned": plan.kv_bytes if plan else None,
             "kv_source": plan.source if plan else None,
             "num_blocks": plan.num_blocks if plan else None,
