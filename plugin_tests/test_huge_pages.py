@@ -52,6 +52,13 @@ def test_a_small_pages_buffer_reports_no_huge_pages():
     assert huge_pages.huge_page_bytes(buf) <= 8 * MiB
 
 
+@pytest.mark.skipif(THP != "madvise", reason="only THP `madvise` leaves unadvised memory on small pages")
+def test_plain_torch_zeros_stays_on_small_pages():
+    """The reference the advice is measured against: without it, no huge pages."""
+    buf = torch.zeros(96 * MiB, dtype=torch.int8)
+    assert huge_pages.huge_page_bytes(buf) == 0
+
+
 @pytest.mark.skipif(THP == "never", reason="transparent huge pages disabled on this machine")
 def test_the_allocation_context_serves_only_large_cpu_zeros():
     with _on_huge_pages(None):

@@ -23,8 +23,6 @@ from cpu_backend.worker import memory
 
 logger = init_logger(f"vllm.{__name__}")
 
-_GiB = float(1 << 30)
-
 
 class NodeMemoryError(RuntimeError):
     """The rank's weights and KV cache do not fit its NUMA node's free memory."""
@@ -121,10 +119,10 @@ def check_node_fits(*, weights_bytes: int, kv_bytes: int, node: int, free_bytes:
     need = weights_bytes + kv_bytes
     if need > free_bytes:
         raise NodeMemoryError(
-            f"NUMA node {node} has {free_bytes / _GiB:.2f} GiB free (within the container's "
+            f"NUMA node {node} has {free_bytes / memory.GiB:.2f} GiB free (within the container's "
             f"memory limit, if any), but this rank needs "
-            f"{need / _GiB:.2f} GiB ({weights_bytes / _GiB:.2f} GiB weight shard + "
-            f"{kv_bytes / _GiB:.2f} GiB KV cache). Lower VLLM_CPU_KVCACHE_SPACE, use a "
+            f"{need / memory.GiB:.2f} GiB ({weights_bytes / memory.GiB:.2f} GiB weight shard + "
+            f"{kv_bytes / memory.GiB:.2f} GiB KV cache). Lower VLLM_CPU_KVCACHE_SPACE, use a "
             "larger --tensor-parallel-size, or bind ranks to other nodes "
             "(VLLM_CPU_OMP_THREADS_BIND)."
         )
@@ -154,5 +152,5 @@ def check_before_load(vllm_config, binding: topology.RankBinding | None) -> None
     check_node_fits(weights_bytes=weights, kv_bytes=kv, node=node, free_bytes=free)
     logger.info(
         "cpu_backend: node %d has %.2f GiB free for this rank's %.2f GiB weight shard + "
-        "%.2f GiB KV cache.", node, free / _GiB, weights / _GiB, kv / _GiB,
+        "%.2f GiB KV cache.", node, free / memory.GiB, weights / memory.GiB, kv / memory.GiB,
     )

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from cpu_backend import envs
 
-_GiB = float(1 << 30)
+GiB = float(1 << 30)
 PROFILE_TOKENS = 256
 SAFETY_MARGIN_MIN = 512 << 20  # bytes
 SAFETY_MARGIN_FRACTION = 0.02  # of the rank's memory limit
@@ -43,7 +43,7 @@ class KVCacheSizeError(ValueError):
 
 
 def gib(n: float) -> str:
-    return f"{n / _GiB:.2f} GiB"
+    return f"{n / GiB:.2f} GiB"
 
 
 # --- process and container readings ----------------------------------------
@@ -220,7 +220,7 @@ def plan_kv_cache(
             else f"Automatic sizing (--gpu-memory-utilization={utilization}) leaves"
         )
         hint = (
-            f"set {envs.KVCACHE_SPACE} to at least {math.ceil(needed / _GiB)} "
+            f"set {envs.KVCACHE_SPACE} to at least {math.ceil(needed / GiB)} "
             f"(or --kv-cache-memory-bytes to at least {needed})"
             if requested is not None
             else "free memory, raise --gpu-memory-utilization"

@@ -27,7 +27,6 @@ from cpu_backend.worker import huge_pages, memory
 logger = init_logger(f"vllm.{__name__}")
 
 WARM_UP_TOKENS = 16
-GiB = float(1 << 30)
 _HOST_KV_INIT_PARAMS = list(inspect.signature(CPUModelRunner.initialize_kv_cache).parameters)
 
 
@@ -61,7 +60,8 @@ class CpuBackendModelRunner(CPUModelRunner):
                 logger.info(
                     "cpu_backend: KV cache of %.2f GiB set up (allocated, zeroed) in %.1f s, "
                     "%.2f GiB of it on huge pages (transparent huge pages: %s)",
-                    allocated / GiB, time.perf_counter() - start, on_huge_pages / GiB,
+                    allocated / memory.GiB, time.perf_counter() - start,
+                    on_huge_pages / memory.GiB,
                     huge_pages.thp_mode(),
                 )
 
