@@ -22,6 +22,8 @@ BACKEND_ISA = "VLLM_CPU_BACKEND_ISA"
 # Ours: run an unquantized LM head on an int8 copy of its weight.
 LM_HEAD_QUANT = "VLLM_CPU_BACKEND_LM_HEAD_QUANT"
 LM_HEAD_QUANT_CHOICES = ("none", "int8")
+# Ours: replay small steps from captured graphs (cpu_backend.worker.step_graphs), default 1.
+STEP_GRAPHS = "VLLM_CPU_BACKEND_STEP_GRAPHS"
 # The host's: serve 4-bit checkpoints with int8 activations (W4A8), default 1.
 INT4_W4A8 = "VLLM_CPU_INT4_W4A8"
 # The host's own flags, read with bool(int(...)) deep inside its workers.
@@ -150,6 +152,11 @@ def sgl_kernel() -> bool | None:
     return _flag(SGL_KERNEL)
 
 
+def step_graphs() -> bool:
+    """`VLLM_CPU_BACKEND_STEP_GRAPHS`: 1 (default) or 0 to run every step eagerly."""
+    return _flag(STEP_GRAPHS) is not False
+
+
 def lm_head_quant() -> str:
     """`VLLM_CPU_BACKEND_LM_HEAD_QUANT`: 'none' (default) or 'int8'."""
     value = (_raw(LM_HEAD_QUANT) or "none").lower()
@@ -189,3 +196,4 @@ def validate_all() -> None:
     moe_prepack()
     sgl_kernel()
     lm_head_quant()
+    step_graphs()

@@ -54,14 +54,35 @@ def test_our_worker_runner_and_attention_ran(llm):
     for providers in rep["rms_norm_providers"].values():
         assert providers[0] == "cpu_backend"
     layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
-    # Every layer, every step: 1 prefill + 3 decodes.
-    assert rep["attention_forward_calls"] - before == layers * 4
+    # Every layer, every step: 1 prefill + 3 decodes; a step of a token count
+    # seen for the first time runs 3 times (recorded, replayed, checked).
+    captures = len(rep["step_graphs"]["token_counts"]) - len(first["step_graphs"]["token_counts"])
+    assert rep["attention_forward_calls"] - before == layers * (4 + 2 * captures)
     # The host's SiluAndMul / RotaryEmbedding were instantiated as ours
-    # (cpu_backend.ops.custom_ops) and our kernels ran in every layer, every step.
+    # (cpu_backend.ops.custom_ops) and our kernels ran in every layer, every step:
+    # called from the layers' Python, or replayed from a step graph.
     assert rep["custom_ops"] == ["CpuBackendRotaryEmbedding", "CpuBackendSiluAndMul"]
     calls, calls_before = rep["custom_op_kernel_calls"], first["custom_op_kernel_calls"]
-    for name in rep["custom_ops"]:
-        assert calls[name] - calls_before.get(name, 0) >= layers * 4, (name, calls, calls_before)
+    replayed, replayed_before = rep["step_graphs"]["op_calls"], first["step_graphs"]["op_calls"]
+    for name, op in [("CpuBackendRotaryEmbedding", "cpu_backend::rotary_embedding"),
+                     ("CpuBackendSiluAndMul", "cpu_backend::silu_and_mul")]:
+        ran = (calls[name] - calls_before.get(name, 0)
+               + replayed.get(op, 0) - replayed_before.get(op, 0))
+        assert ran >= layers * 4, (name, calls, replayed)
+
+
+def test_small_steps_replay_captured_graphs(llm, tiny_llama):
+    """Steps of up to 16 tokens run from graphs captured on first sight, and the
+    tokens they give match transformers."""
+    before = report(llm)["step_graphs"]
+    prompts = random_prompts([3, 8, 11], seed=5)
+    got = [list(o.outputs[0].token_ids) for o in greedy(llm, prompts, NEW_TOKENS)]
+    graphs = report(llm)["step_graphs"]
+    assert graphs["on"] is True
+    # The decode steps of the 3 requests (the 22-token prefill runs eagerly).
+    assert 3 in graphs["token_counts"], graphs
+    assert graphs["replays"] - before["replays"] >= NEW_TOKENS - 3, (before, graphs)
+    assert got == hf_greedy(tiny_llama, prompts, NEW_TOKENS)
 
 
 def test_batch_of_different_lengths_matches_transformers(llm, tiny_llama):

@@ -24,6 +24,7 @@ from cpu_backend import envs, isa
         ("VLLM_CPU_SGL_KERNEL", "2"),
         ("VLLM_CPU_BACKEND_ISA", "sse9"),
         ("VLLM_CPU_BACKEND_LM_HEAD_QUANT", "int4"),
+        ("VLLM_CPU_BACKEND_STEP_GRAPHS", "on"),
         # Set but empty: the host would int('') inside its workers.
         ("VLLM_CPU_KVCACHE_SPACE", ""),
         ("VLLM_CPU_NUM_OF_RESERVED_CPU", " "),
@@ -50,6 +51,14 @@ def test_kvcache_space(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.5")  # the host int()s it in every process
     with pytest.raises(envs.EnvError, match="--kv-cache-memory-bytes"):
         envs.kvcache_space_bytes()
+
+
+def test_step_graphs_flag(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_BACKEND_STEP_GRAPHS", raising=False)
+    assert envs.step_graphs() is True
+    for value, on in (("0", False), ("1", True), ("", True)):
+        monkeypatch.setenv("VLLM_CPU_BACKEND_STEP_GRAPHS", value)
+        assert envs.step_graphs() is on
 
 
 def test_lm_head_quant(monkeypatch):

@@ -179,6 +179,7 @@ class CpuBackendWorker(CPUWorker):
                 {type(m).__name__ for m in model.modules() if type(m).__module__ == custom_ops.__name__}
             ),
             "custom_op_kernel_calls": dict(custom_ops.kernel_calls),
+            "step_graphs": self.model_runner.step_graphs_report(),
         }
 
     def _memory_report(self, model) -> dict:

@@ -7,7 +7,8 @@ dummy step instead; the host's full-size profile run is kept for compiled mode,
 where it triggers compilation. `profile_activation_peak` measures what a
 forward step adds to resident memory, for the worker's KV sizing.
 The KV cache is allocated on transparent huge pages (`huge_pages`), through
-the host's `kv_cache_allocation_context` argument.
+the host's `kv_cache_allocation_context` argument. Small steps run from
+captured graphs (`step_graphs`), through the host's `_model_forward` hook.
 """
 
 from __future__ import annotations
@@ -18,16 +19,25 @@ import time
 
 import torch
 
+from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
 from vllm.config import CompilationMode
 from vllm.logger import init_logger
+from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                        SlidingWindowSpec)
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from cpu_backend import envs
 from cpu_backend.worker import huge_pages, memory
+from cpu_backend.worker.step_graphs import StepGraphs
 
 logger = init_logger(f"vllm.{__name__}")
 
 WARM_UP_TOKENS = 16
 _HOST_KV_INIT_PARAMS = list(inspect.signature(CPUModelRunner.initialize_kv_cache).parameters)
+_HOST_FORWARD_PARAMS = list(inspect.signature(CPUModelRunner._model_forward).parameters)
+# KV-cache layouts whose layers keep no state but the cache the attention ops
+# write: replaying a step on the same inputs changes nothing.
+_STATELESS_KV_SPECS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
 
 
 def kv_cache_bytes(kv_caches) -> tuple[int, int]:
@@ -64,6 +74,59 @@ class CpuBackendModelRunner(CPUModelRunner):
                     on_huge_pages / memory.GiB,
                     huge_pages.thp_mode(),
                 )
+
+    if _HOST_FORWARD_PARAMS == ["self", "input_ids", "positions", "intermediate_tensors",
+                                "inputs_embeds", "model_kwargs"]:
+
+        def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
+                           inputs_embeds=None, **model_kwargs):
+            graphs = self._step_graphs()
+            if graphs is not None and graphs.covers(input_ids, intermediate_tensors,
+                                                    inputs_embeds, model_kwargs):
+                return graphs(input_ids, positions)
+            return super()._model_forward(input_ids, positions, intermediate_tensors,
+                                          inputs_embeds, **model_kwargs)
+
+    def _step_graphs(self) -> StepGraphs | None:
+        """This engine's step graphs, or None where steps must run eagerly."""
+        if "_cpu_backend_step_graphs" not in self.__dict__:
+            why_not = self._why_no_step_graphs()
+            self._cpu_backend_step_graphs = None if why_not else StepGraphs(self.model)
+            if why_not:
+                logger.info("cpu_backend: steps run eagerly (%s).", why_not)
+            else:
+                logger.info("cpu_backend: steps of up to %d tokens run from captured graphs.",
+                            self._cpu_backend_step_graphs.max_tokens)
+        return self._cpu_backend_step_graphs
+
+    def step_graphs_report(self) -> dict:
+        """"on" is None until the first step has decided it."""
+        if "_cpu_backend_step_graphs" not in self.__dict__:
+            return {"on": None, "token_counts": [], "replays": 0, "op_calls": {}}
+        graphs = self._step_graphs()
+        if graphs is None:
+            return {"on": False, "token_counts": [], "replays": 0, "op_calls": {}}
+        return graphs.report()
+
+    def _why_no_step_graphs(self) -> str | None:
+        parallel = self.parallel_config
+        specs = [group.kv_cache_spec for group in self.kv_cache_config.kv_cache_groups]
+        reasons = {
+            f"{envs.STEP_GRAPHS}=0": not envs.step_graphs(),
+            "torch.compile mode": self.compilation_config.mode != CompilationMode.NONE,
+            "parallel ranks": parallel.world_size > 1 or parallel.data_parallel_size > 1,
+            "LoRA": self.lora_config is not None,
+            "speculative decoding": self.speculative_config is not None,
+            "encoder-decoder or multimodal model": (self.model_config.is_encoder_decoder
+                                                    or self.model_config.is_multimodal_model),
+            "auxiliary hidden states": self.use_aux_hidden_state_outputs,
+            "a model the host cannot trace once": not any(
+                isinstance(module, TorchCompileWithNoGuardsWrapper)
+                for module in self.model.modules()),
+            "layers with state beside the KV cache": not specs or any(
+                type(spec) not in _STATELESS_KV_SPECS for spec in specs),
+        }
+        return ", ".join(reason for reason, applies in reasons.items() if applies) or None
 
     def warming_up_model(self) -> None:
         if self.vllm_config.compilation_config.mode != CompilationMode.NONE:

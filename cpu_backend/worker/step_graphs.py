@@ -1,0 +1,258 @@
+"""Step graphs: small forward steps replayed from a traced op graph, without
+the model's Python.
+
+What it replaces: on CUDA the host captures small decode steps as CUDA graphs
+(`vllm.compilation.cuda_graph.CUDAGraphWrapper`); the host's CPU runner
+(`vllm.v1.worker.cpu_model_runner.CPUModelRunner`) has no capture and, in
+eager mode, runs the model's Python every step: on a 2-core AVX2 VM a
+SmolLM2-135M decode step makes ~8,100 Python calls and 365 module calls around
+its ~360 kernel calls, as long as the linears themselves (docs/performance.md).
+
+Here the first forward of each small token count is recorded (a torch
+dispatch mode sees every op the step runs, with its arguments) and turned into
+one straight-line Python function of torch ops: our kernels, the host's opaque
+attention ops, views and allocations, specialised to that count's shapes.
+Later forwards of that count run that function instead of the modules. The
+attention ops stay opaque, as in the host's piecewise CUDA graphs: they read
+the step's metadata from the forward context when they run, so one graph
+serves every step of its token count. Recording costs about one step plus
+~20 us per op (make_fx, which builds fake tensors for every node, took 2-3 s).
+
+Tracing once is sound where the host's torch.compile is: it traces the same
+models once for all steps (`support_torch_compile`, guards dropped), so only
+models with such a module are captured. The rest stays eager: parallel ranks
+(tensor, pipeline, data), LoRA, speculative decoding, inputs given as
+embeddings, stateful (non-attention) layers such as Mamba, and compiled mode.
+A step whose Python reads tensor values (`.item()`, a boolean mask) is not
+recorded. Each new graph is replayed once on its step's inputs and must match
+a fresh eager run of them bit for bit, else (or if recording fails) the runner
+goes back to eager for good, with a warning.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm.logger import init_logger
+
+logger = init_logger(f"vllm.{__name__}")
+
+# Token counts up to this are captured: the model's Python costs about as much
+# as the kernels there; larger steps spend their time in GEMMs.
+MAX_TOKENS = 16
+
+
+class StepGraph:
+    """A recorded step: `run(input_ids, positions)` replays its ops."""
+
+    def __init__(self, source: str, constants: dict, op_counts: Counter[str]):
+        self.source = source
+        self.op_counts = op_counts  # "namespace::op" -> calls per replay
+        self.num_ops = sum(op_counts.values())
+        namespace = dict(constants)
+        exec(compile(source, "<cpu_backend step graph>", "exec"), namespace)  # noqa: S102
+        self.run = namespace["step"]
+
+    @classmethod
+    def record(cls, forward: Callable, input_ids: torch.Tensor, positions: torch.Tensor):
+        """Run `forward` once for real; returns its output and the graph of it."""
+        recorder = _Recorder({id(input_ids): "input_ids", id(positions): "positions"})
+        with recorder:
+            output = forward(input_ids=input_ids, positions=positions)
+        return output, cls(recorder.source(output), recorder.constants, recorder.op_counts)
+
+
+class _Recorder(TorchDispatchMode):
+    """Writes each dispatched op as a line of Python; tensors the step did not
+    make (weights, caches, buffers) become constants, referenced, not copied."""
+
+    def __init__(self, inputs: dict[int, str]):
+        super().__init__()
+        self.names = dict(inputs)   # id(tensor) -> the variable holding it
+        self.constant_names: dict[int, str] = {}
+        self.alive: list = []       # every tensor seen, so no id is reused
+        self.constants: dict[str, object] = {}
+        self.lines: list[tuple[str, list[str]]] = []   # (assignment, names read)
+        self.op_counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not _tensors_or_none(out):
+            # A value leaving torch for Python (.item(), bool(tensor)) would be
+            # baked into the graph: such a step is not captured.
+            raise DataDependentStep(f"{func} returns {type(out).__name__} to Python")
+        if _shape_depends_on_values(func, args):
+            # nonzero, masked_select...: later ops would keep this step's sizes.
+            raise DataDependentStep(f"the shape {func} returns depends on tensor values")
+        if (getattr(func, "is_view", False) and isinstance(out, torch.Tensor)
+                and not self._reads_step_values((args, kwargs))):
+            # A view of a weight (detach, transpose): the same view every step.
+            return out
+        read: list[str] = []
+        call = ", ".join([self._expr(a, read) for a in args]
+                         + [f"{k}={self._expr(v, read)}" for k, v in kwargs.items()])
+        target = f"v{len(self.lines)}"
+        self.lines.append((f"{target} = {self._constant(func)}({call})", read))
+        self.op_counts[getattr(func, "name", lambda: str(func))()] += 1
+        self.alive.append(out)
+        if isinstance(out, torch.Tensor):
+            self.names[id(out)] = target
+        elif isinstance(out, (tuple, list)):
+            for index, item in enumerate(out):
+                if isinstance(item, torch.Tensor):
+                    self.names[id(item)] = f"{target}[{index}]"
+        return out
+
+    def _reads_step_values(self, value) -> bool:
+        if isinstance(value, torch.Tensor):
+            return id(value) in self.names
+        if isinstance(value, (list, tuple)):
+            return any(self._reads_step_values(item) for item in value)
+        if isinstance(value, dict):
+            return any(self._reads_step_values(item) for item in value.values())
+        return False
+
+    def _expr(self, value, read: list[str]) -> str:
+        if isinstance(value, torch.Tensor):
+            name = self.names.get(id(value))
+            if name is not None:
+                read.append(name.split("[")[0])
+                return name
+            if id(value) not in self.constant_names:
+                self.alive.append(value)
+                self.constant_names[id(value)] = self._constant(value)
+            return self.constant_names[id(value)]
+        if isinstance(value, (list, tuple)):
+            items = [self._expr(item, read) for item in value]
+            return f"[{', '.join(items)}]" if isinstance(value, list) else f"({', '.join(items)},)"
+        if value is None or isinstance(value, (bool, int, str)):
+            return repr(value)
+        if isinstance(value, float) and math.isfinite(value):
+            return repr(value)
+        return self._constant(value)
+
+    def _constant(self, value) -> str:
+        name = f"k{len(self.constants)}"
+        self.constants[name] = value
+        return name
+
+    def source(self, output) -> str:
+        """The step as a function; each value is dropped after its last use."""
+        read: list[str] = []
+        result = self._expr(output, read)
+        last_use: dict[str, int] = {}
+        for index, (_, names) in enumerate(self.lines):
+            for name in names:
+                last_use[name] = index
+        for name in read:
+            last_use[name] = len(self.lines)
+        lines = ["def step(input_ids, positions):"]
+        for index, (line, names) in enumerate(self.lines):
+            lines.append(f"    {line}")
+            target = line.split(" = ", 1)[0]
+            dead = sorted({n for n in names if last_use[n] == index and n.startswith("v")}
+                          | ({target} if target not in last_use else set()))
+            if dead:
+                lines.append(f"    del {', '.join(dead)}")
+        lines.append(f"    return {result}")
+        return "\n".join(lines) + "\n"
+
+
+class StepGraphs:
+    """Per token count, a traced graph of `forward(input_ids, positions)`."""
+
+    def __init__(self, forward: Callable[..., torch.Tensor], max_tokens: int = MAX_TOKENS):
+        self._forward = forward
+        self.max_tokens = max_tokens
+        self.graphs: dict[tuple, StepGraph] = {}
+        self.replays: Counter[tuple] = Counter()
+        self.enabled = True
+
+    def covers(self, input_ids: torch.Tensor | None, intermediate_tensors,
+               inputs_embeds, model_kwargs: dict) -> bool:
+        return (self.enabled and input_ids is not None and intermediate_tensors is None
+                and inputs_embeds is None and not model_kwargs
+                and input_ids.shape[0] <= self.max_tokens)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        key = (tuple(input_ids.shape), input_ids.dtype, tuple(positions.shape), positions.dtype)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.replays[key] += 1
+            return graph.run(input_ids, positions)
+        return self._capture(key, input_ids, positions)
+
+    def _capture(self, key: tuple, input_ids: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        count = input_ids.shape[0]
+        start = time.perf_counter()
+        try:
+            _, graph = StepGraph.record(self._forward, input_ids, positions)
+            # Running a step again on the same inputs is harmless: the KV-cache
+            # writes store the same values in the same slots. The reference is
+            # a fresh eager run, so Python state the graph froze shows up.
+            replayed = graph.run(input_ids, positions)
+        except Exception as error:  # noqa: BLE001 - a failed capture means eager, not a dead engine
+            self._give_up(f"capturing a step of {count} tokens failed ({error!r})")
+            return self._forward(input_ids=input_ids, positions=positions)
+        output = self._forward(input_ids=input_ids, positions=positions)
+        if not _same(output, replayed):
+            self._give_up(f"the captured step of {count} tokens differs from eager")
+            return output
+        self.graphs[key] = graph
+        logger.info("cpu_backend: step graph for %d tokens captured in %.2f s (%d ops)",
+                    count, time.perf_counter() - start, graph.num_ops)
+        return output
+
+    def report(self) -> dict:
+        """What ran from graphs in this process, for the worker report."""
+        op_calls: Counter[str] = Counter()
+        for key, replays in self.replays.items():
+            if key in self.graphs:
+                for op, calls in self.graphs[key].op_counts.items():
+                    op_calls[op] += calls * replays
+        return {"on": self.enabled, "token_counts": sorted(key[0][0] for key in self.graphs),
+                "replays": sum(self.replays.values()), "op_calls": dict(op_calls)}
+
+    def _give_up(self, why: str) -> None:
+        logger.warning("cpu_backend: %s; running the model eagerly from now on.", why)
+        self.enabled = False
+        self.graphs.clear()
+
+
+class DataDependentStep(RuntimeError):
+    """The step's Python reads a tensor's value: one graph cannot serve every step."""
+
+
+def _shape_depends_on_values(func, args) -> bool:
+    tags = getattr(func, "tags", ())
+    if torch.Tag.data_dependent_output in tags:
+        return True
+    if torch.Tag.dynamic_output_shape not in tags:
+        return False
+    if func is torch.ops.aten.index.Tensor:  # only a boolean mask makes it so
+        return any(isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+                   for index in args[1])
+    return True
+
+
+def _tensors_or_none(value) -> bool:
+    if value is None or isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and all(_tensors_or_none(v) for v in value)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_same(x, y) for x, y in zip(a, b)))
+    return a == b
