@@ -101,11 +101,11 @@ class CpuBackendModelRunner(CPUModelRunner):
 
     def step_graphs_report(self) -> dict:
         """"on" is None until the first step has decided it."""
-        if "_cpu_backend_step_graphs" not in self.__dict__:
-            return {"on": None, "token_counts": [], "replays": 0, "op_calls": {}}
-        graphs = self._step_graphs()
+        decided = "_cpu_backend_step_graphs" in self.__dict__
+        graphs = self._cpu_backend_step_graphs if decided else None
         if graphs is None:
-            return {"on": False, "token_counts": [], "replays": 0, "op_calls": {}}
+            return {"on": False if decided else None, "token_counts": [], "replays": 0,
+                    "op_calls": {}}
         return graphs.report()
 
     def _why_no_step_graphs(self) -> str | None:
