@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from cpu_backend.attention import step_ops
 from integration.conftest import greedy, hf_greedy, report, running_llm
 
 NEW_TOKENS = 64
@@ -81,7 +82,14 @@ def test_small_steps_replay_captured_graphs(llm, tiny_llama):
     assert graphs["on"] is True
     # The decode steps of the 3 requests (the 22-token prefill runs eagerly).
     assert 3 in graphs["token_counts"], graphs
-    assert graphs["replays"] - before["replays"] >= NEW_TOKENS - 3, (before, graphs)
+    replays = graphs["replays"] - before["replays"]
+    assert replays >= NEW_TOKENS - 3, (before, graphs)
+    # In the graphs, every layer's attention ran as a direct call of our kernels
+    # (cpu_backend.attention.step_ops), not through the host's attention ops.
+    layers = llm.llm_engine.vllm_config.model_config.hf_config.num_hidden_layers
+    for op in (step_ops.KV_CACHE_UPDATE, step_ops.ATTENTION):
+        assert graphs["op_calls"][op] - before["op_calls"].get(op, 0) == layers * replays, graphs
+    assert not [op for op in graphs["op_calls"] if op.startswith("vllm::")], graphs
     assert got == hf_greedy(tiny_llama, prompts, NEW_TOKENS)
 
 

@@ -201,3 +201,103 @@ def test_which_engines_run_step_graphs(monkeypatch):
         assert why_not(runner_like(**changes)) == reason, changes
     monkeypatch.setenv("VLLM_CPU_BACKEND_STEP_GRAPHS", "0")
     assert why_not(runner_like()) == "VLLM_CPU_BACKEND_STEP_GRAPHS=0"
+
+
+# --- the host's attention ops, lowered to our kernels (attention.step_ops) ---
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 4, 2, 64, 16
+
+
+class HostAttentionStep(torch.nn.Module):
+    """A step that calls the host's attention ops the way vLLM's Attention does."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.embed = torch.nn.Embedding(VOCAB, (HEADS + 2 * KV_HEADS) * HEAD_SIZE)
+
+    def forward(self, input_ids, positions):
+        q, k, v = self.embed(input_ids).split(
+            [HEADS * HEAD_SIZE, KV_HEADS * HEAD_SIZE, KV_HEADS * HEAD_SIZE], dim=-1)
+        q, k, v = (t.reshape(t.shape[0], -1, HEAD_SIZE) for t in (q, k, v))
+        dep = torch.ops.vllm.unified_kv_cache_update(k, v, "layer0")
+        out = torch.empty_like(q)
+        torch.ops.vllm.unified_attention_with_output(q, k, v, out, "layer0",
+                                                     kv_cache_dummy_dep=dep)
+        return out
+
+
+def attention_context(kv_cache, positions, blocks):
+    """What the host's forward context holds for one layer: the layer (our impl,
+    its cache and scales), its metadata and slot mapping; one request per token."""
+    from types import SimpleNamespace
+
+    from cpu_backend.attention.impl import CpuBackendAttentionImpl
+
+    impl = CpuBackendAttentionImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, None, None, "auto")
+    layer = SimpleNamespace(impl=impl, kv_cache=kv_cache, _k_scale_float=1.0, _v_scale_float=1.0)
+    pos = torch.tensor(positions, dtype=torch.int32)
+    table = torch.tensor([[b] for b in blocks], dtype=torch.int32)
+    metadata = SimpleNamespace(token_req=torch.arange(len(positions), dtype=torch.int32),
+                               token_pos=pos, block_table=table)
+    slots = table[:, 0].long() * BLOCK + pos.long()
+    return SimpleNamespace(attn_metadata={"layer0": metadata}, slot_mapping={"layer0": slots},
+                           no_compile_layers={"layer0": layer})
+
+
+@torch.inference_mode()
+def test_host_attention_ops_are_recorded_as_calls_of_our_kernels():
+    """Recorded, the host's KV-cache update and attention ops become direct calls
+    of our kernels that read the step's slots and metadata when they run: a
+    replay in another step's context writes the cache and attends exactly as
+    the host's ops do."""
+    import vllm.model_executor.layers.attention.attention  # noqa: F401  (registers the host ops)
+    from vllm.forward_context import override_forward_context
+
+    from cpu_backend.attention import step_ops
+    from cpu_backend.attention.impl import CpuBackendAttentionImpl
+
+    module = HostAttentionStep()
+    cache = torch.randn(4, KV_HEADS, BLOCK, 2 * HEAD_SIZE)
+    ids, pos = inputs(2, seed=7)
+    with override_forward_context(attention_context(cache.clone(), [5, 9], [0, 1])):
+        _, graph = StepGraph.record(module, ids, pos, lower=step_ops.lower)
+    assert graph.op_counts[step_ops.KV_CACHE_UPDATE] == 1
+    assert graph.op_counts[step_ops.ATTENTION] == 1
+    assert not [op for op in graph.op_counts if op.startswith("vllm::")], graph.op_counts
+
+    ids, pos = inputs(2, seed=8)  # the next step: other tokens, positions, blocks
+    replayed = attention_context(cache.clone(), [12, 3], [2, 3])
+    reference = attention_context(cache.clone(), [12, 3], [2, 3])
+    calls = CpuBackendAttentionImpl.forward_calls
+    with override_forward_context(replayed):
+        got = graph.run(ids, pos)
+    assert CpuBackendAttentionImpl.forward_calls == calls + 1
+    with override_forward_context(reference):
+        want = module(ids, pos)
+    assert torch.equal(got, want)
+    assert torch.equal(replayed.no_compile_layers["layer0"].kv_cache,
+                       reference.no_compile_layers["layer0"].kv_cache)
+    assert not torch.equal(replayed.no_compile_layers["layer0"].kv_cache, cache)
+
+
+@torch.inference_mode()
+def test_attention_ops_stay_host_ops_off_our_native_path():
+    import vllm.model_executor.layers.attention.attention  # noqa: F401
+    from vllm.forward_context import override_forward_context
+
+    from cpu_backend.attention import step_ops
+
+    context = attention_context(torch.zeros(4, KV_HEADS, BLOCK, 2 * HEAD_SIZE), [5], [0])
+    q = torch.zeros(1, HEADS, HEAD_SIZE)
+    kv = torch.zeros(1, KV_HEADS, HEAD_SIZE)
+    attention = torch.ops.vllm.unified_attention_with_output.default
+    with override_forward_context(context):
+        impl = context.no_compile_layers["layer0"].impl
+        impl._native = True
+        assert step_ops.lower(attention, (q, kv, kv, q.clone(), "layer0"), {}) is not None
+        # fused output quantization: the host op's business
+        assert step_ops.lower(attention, (q, kv, kv, q.clone(), "layer0", q), {}) is None
+        assert step_ops.lower(torch.ops.aten.add.Tensor, (q, q), {}) is None
+        impl._native = False  # the PyTorch path (e.g. a cache dtype the kernel lacks)
+        assert step_ops.lower(attention, (q, kv, kv, q.clone(), "layer0"), {}) is None

@@ -171,3 +171,46 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
                 query[start:end], k, v, context_len, self.params
             ).to(output.dtype)
         return output
+
+    def step_graph_ops(self, layer_name: str):
+        """Direct calls of this layer's native kernels for a step graph
+        (`cpu_backend.attention.step_ops`), or None off the native path.
+
+        `kv_cache_update(key, value)` and `attention(query, output)` do what
+        `do_kv_cache_update` / `forward` do on the native path, looking the
+        layer (its cache and scales), the step's slot mapping and metadata up
+        in the forward context when they run, as the host's ops do.
+        """
+        if self._native is not True:
+            return None
+        from vllm.forward_context import get_forward_context
+
+        write = torch.ops.cpu_backend.write_kv_cache.default
+        attend = torch.ops.cpu_backend.paged_attention.default
+        kv_format = self.kv_handler.kernel_format
+        scale, window = self.scale, int(self.params.window or 0)
+        softcap, alibi_slopes = float(self.params.softcap or 0.0), self.params.alibi_slopes
+        counter = type(self)
+
+        def kv_cache_update(key: torch.Tensor, value: torch.Tensor) -> None:
+            context = get_forward_context()
+            slots = context.slot_mapping.get(layer_name)
+            if slots is not None:
+                layer = context.no_compile_layers[layer_name]
+                k_scale, v_scale = _tensor_scales(layer)
+                write(key, value, layer.kv_cache, slots.long(), kv_format, k_scale, v_scale)
+
+        def attention(query: torch.Tensor, output: torch.Tensor) -> None:
+            context = get_forward_context()
+            md = context.attn_metadata[layer_name]
+            if md is None:  # profiling run
+                return
+            counter.forward_calls += 1
+            layer = context.no_compile_layers[layer_name]
+            num_tokens = md.token_req.shape[0]
+            k_scale, v_scale = _tensor_scales(layer)
+            attend(output[:num_tokens], query[:num_tokens], layer.kv_cache, md.block_table,
+                   md.token_req, md.token_pos, scale, window, softcap, alibi_slopes,
+                   kv_format, k_scale, v_scale)
+
+        return kv_cache_update, attention

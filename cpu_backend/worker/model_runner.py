@@ -8,7 +8,8 @@ where it triggers compilation. `profile_activation_peak` measures what a
 forward step adds to resident memory, for the worker's KV sizing.
 The KV cache is allocated on transparent huge pages (`huge_pages`), through
 the host's `kv_cache_allocation_context` argument. Small steps run from
-captured graphs (`step_graphs`), through the host's `_model_forward` hook.
+captured graphs (`step_graphs`), through the host's `_model_forward` hook,
+with the host's attention ops lowered to our kernels (`attention.step_ops`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttention
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from cpu_backend import envs
+from cpu_backend.attention import step_ops
 from cpu_backend.worker import huge_pages, memory
 from cpu_backend.worker.step_graphs import StepGraphs
 
@@ -91,7 +93,8 @@ class CpuBackendModelRunner(CPUModelRunner):
         """This engine's step graphs, or None where steps must run eagerly."""
         if "_cpu_backend_step_graphs" not in self.__dict__:
             why_not = self._why_no_step_graphs()
-            self._cpu_backend_step_graphs = None if why_not else StepGraphs(self.model)
+            self._cpu_backend_step_graphs = None if why_not else StepGraphs(
+                self.model, lower=step_ops.lower)
             if why_not:
                 logger.info("cpu_backend: steps run eagerly (%s).", why_not)
             else:

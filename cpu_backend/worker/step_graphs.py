@@ -15,7 +15,9 @@ attention ops, views and allocations, specialised to that count's shapes.
 Later forwards of that count run that function instead of the modules. The
 attention ops stay opaque, as in the host's piecewise CUDA graphs: they read
 the step's metadata from the forward context when they run, so one graph
-serves every step of its token count. Recording costs about one step plus
+serves every step of its token count. A `lower` hook may record a direct call
+in an op's place (`cpu_backend.attention.step_ops`: the host's attention ops
+become calls of our attention kernels). Recording costs about one step plus
 ~20 us per op (make_fx, which builds fake tensors for every node, took 2-3 s).
 
 Tracing once is sound where the host's torch.compile is: it traces the same
@@ -47,6 +49,11 @@ logger = init_logger(f"vllm.{__name__}")
 # as the kernels there; larger steps spend their time in GEMMs.
 MAX_TOKENS = 16
 
+# lower(op, args, kwargs) -> (call, args, name for reports) to record in the
+# op's place (after the op ran), or None to record the op itself. The call
+# must do what the op did, given the same arguments in a later step.
+Lowering = Callable[[object, tuple, dict], "tuple[Callable, tuple, str] | None"]
+
 
 class StepGraph:
     """A recorded step: `run(input_ids, positions)` replays its ops."""
@@ -60,9 +67,10 @@ class StepGraph:
         self.run = namespace["step"]
 
     @classmethod
-    def record(cls, forward: Callable, input_ids: torch.Tensor, positions: torch.Tensor):
+    def record(cls, forward: Callable, input_ids: torch.Tensor, positions: torch.Tensor,
+               lower: Lowering | None = None):
         """Run `forward` once for real; returns its output and the graph of it."""
-        recorder = _Recorder({id(input_ids): "input_ids", id(positions): "positions"})
+        recorder = _Recorder({id(input_ids): "input_ids", id(positions): "positions"}, lower)
         with recorder:
             output = forward(input_ids=input_ids, positions=positions)
         return output, cls(recorder.source(output), recorder.constants, recorder.op_counts)
@@ -72,8 +80,9 @@ class _Recorder(TorchDispatchMode):
     """Writes each dispatched op as a line of Python; tensors the step did not
     make (weights, caches, buffers) become constants, referenced, not copied."""
 
-    def __init__(self, inputs: dict[int, str]):
+    def __init__(self, inputs: dict[int, str], lower: Lowering | None = None):
         super().__init__()
+        self.lower = lower
         self.names = dict(inputs)   # id(tensor) -> the variable holding it
         self.constant_names: dict[int, str] = {}
         self.alive: list = []       # every tensor seen, so no id is reused
@@ -95,12 +104,20 @@ class _Recorder(TorchDispatchMode):
                 and not self._reads_step_values((args, kwargs))):
             # A view of a weight (detach, transpose): the same view every step.
             return out
+        lowered = self.lower(func, args, kwargs) if self.lower is not None else None
+        if lowered is not None:
+            func, args, op_name = lowered
+            kwargs = {}
+        else:
+            op_name = getattr(func, "name", lambda: str(func))()
         read: list[str] = []
         call = ", ".join([self._expr(a, read) for a in args]
                          + [f"{k}={self._expr(v, read)}" for k, v in kwargs.items()])
         target = f"v{len(self.lines)}"
-        self.lines.append((f"{target} = {self._constant(func)}({call})", read))
-        self.op_counts[getattr(func, "name", lambda: str(func))()] += 1
+        # An OpOverload's __call__ is one Python frame around its C++ `_op`.
+        callee = func._op if isinstance(func, torch._ops.OpOverload) else func
+        self.lines.append((f"{target} = {self._constant(callee)}({call})", read))
+        self.op_counts[op_name] += 1
         self.alive.append(out)
         if isinstance(out, torch.Tensor):
             self.names[id(out)] = target
@@ -168,8 +185,10 @@ class _Recorder(TorchDispatchMode):
 class StepGraphs:
     """Per token count, a traced graph of `forward(input_ids, positions)`."""
 
-    def __init__(self, forward: Callable[..., torch.Tensor], max_tokens: int = MAX_TOKENS):
+    def __init__(self, forward: Callable[..., torch.Tensor], max_tokens: int = MAX_TOKENS,
+                 lower: Lowering | None = None):
         self._forward = forward
+        self._lower = lower
         self.max_tokens = max_tokens
         self.graphs: dict[tuple, StepGraph] = {}
         self.replays: Counter[tuple] = Counter()
@@ -194,7 +213,7 @@ class StepGraphs:
         count = input_ids.shape[0]
         start = time.perf_counter()
         try:
-            _, graph = StepGraph.record(self._forward, input_ids, positions)
+            _, graph = StepGraph.record(self._forward, input_ids, positions, self._lower)
             # Running a step again on the same inputs is harmless: the KV-cache
             # writes store the same values in the same slots. The reference is
             # a fresh eager run, so Python state the graph froze shows up.
