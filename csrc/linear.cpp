@@ -3,8 +3,9 @@
 // Packed weight: [P = ceil(N/NR)][K][NR], same dtype as W (bf16/fp16/fp32),
 // rows n >= N zero. A panel is one contiguous K x NR block, so the kernel
 // streams it front to back (the whole weight is one sequential read at M=1).
-// On the avx512 build bf16 panels interleave pairs of K rows (see
-// pack_panels) so that VDPBF16PS can take two k per instruction.
+// On the avx512 and AVX2 builds bf16 panels interleave pairs of K rows (see
+// pack_panels): VDPBF16PS takes two k per instruction, and on AVX2 one load
+// and a shift and an and widen two rows (PairWidenKernel).
 //
 // Compute: x is first copied to fp32 in chunks of MR rows, each chunk laid out
 // [K][mr] (one broadcast stream per chunk). The microkernel keeps acc[MR][NR]
@@ -53,14 +54,17 @@ constexpr int kNR = 16 * kNV;
 
 // ---------------------------------------------------------------- packing ---
 
-#if defined(CPU_BACKEND_HAS_DPBF16)
-constexpr bool kPairBf16 = true;
+// bf16 weights are packed as row pairs where a build has a pair kernel: the
+// avx512 build (VDPBF16PS) and the AVX2 builds (cheaper widening).
+#if defined(CPU_BACKEND_HAS_DPBF16) || defined(CPU_BACKEND_ISA_AVX2)
+#define CB_PAIR_BF16 1
 #else
-constexpr bool kPairBf16 = false;
+#define CB_PAIR_BF16 0
 #endif
+constexpr bool kPairBf16 = CB_PAIR_BF16;
 
 // Plain panels: element (k, j) of panel p at [p][k][j] = W[p*NR + j][k].
-// Pair panels (bf16 on the dpbf16 build): rows 2i and 2i+1 interleaved, (k, j)
+// Pair panels (bf16 where kPairBf16): rows 2i and 2i+1 interleaved, (k, j)
 // at [p][2i][2j + (k & 1)] with i = k / 2; an odd last row stays plain. The
 // tensor shape is [P][K][NR] either way.
 template <typename T>
@@ -169,42 +173,58 @@ struct PlainKernel {
   }
 };
 
-#if defined(CPU_BACKEND_HAS_DPBF16)
-// fp32 a [K][MR] x pair panel of bf16: each pair of rows widened with 2 ALU ops.
+#if CB_PAIR_BF16
+// fp32 a [K][MR] x pair panel of bf16: each pair of rows widened with 2 ALU ops
+// (shift, and) from one load, where plain rows take a widening load and a
+// shift per row. Few rows (decode) keep KU accumulator sets over consecutive
+// pairs, as PlainKernel does over rows.
 struct PairWidenKernel {
   using AT = float;
   static int64_t a_rows(int64_t K) { return K; }
 
   template <int MR>
   static void run(const float* __restrict a, const bf16_t* __restrict w, int64_t K, float* __restrict c) {
-    Vec acc[MR][kNV];
-    CB_UNROLL for (int m = 0; m < MR; ++m) {
-      CB_UNROLL for (int v = 0; v < kNV; ++v) acc[m][v] = Vec::zero();
+    constexpr int KU = kSplitK<MR>;
+    Vec acc[KU][MR][kNV];
+    CB_UNROLL for (int u = 0; u < KU; ++u) {
+      CB_UNROLL for (int m = 0; m < MR; ++m) {
+        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[u][m][v] = Vec::zero();
+      }
     }
-    const int64_t K2 = K / 2 * 2;
-    for (int64_t k = 0; k < K2; k += 2) {
+    auto pair = [&](int u, int64_t k) CB_ALWAYS_INLINE_LAMBDA {
       Vec w0[kNV], w1[kNV];
       CB_UNROLL for (int v = 0; v < kNV; ++v) Vec::load_pairs(w + k * kNR + v * 32, &w0[v], &w1[v]);
       CB_UNROLL for (int m = 0; m < MR; ++m) {
         const Vec a0 = Vec::broadcast(a[k * MR + m]);
         const Vec a1 = Vec::broadcast(a[(k + 1) * MR + m]);
-        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[m][v] = fma(a1, w1[v], fma(a0, w0[v], acc[m][v]));
+        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[u][m][v] = fma(a1, w1[v], fma(a0, w0[v], acc[u][m][v]));
       }
+    };
+    const int64_t K2 = K / 2 * 2, KE = K2 / (2 * KU) * (2 * KU);
+    for (int64_t k = 0; k < KE; k += 2 * KU) {
+      prefetch_panel<KU * 2 * kNR * sizeof(bf16_t)>(w + k * kNR);
+      CB_UNROLL for (int u = 0; u < KU; ++u) pair(u, k + 2 * u);
     }
+    for (int64_t k = KE; k < K2; k += 2) pair(0, k);
     if (K2 < K) {  // odd last row, plain
       Vec wv[kNV];
       CB_UNROLL for (int v = 0; v < kNV; ++v) wv[v] = Vec::load(w + K2 * kNR + v * 16);
       CB_UNROLL for (int m = 0; m < MR; ++m) {
         const Vec av = Vec::broadcast(a[K2 * MR + m]);
-        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[m][v] = fma(av, wv[v], acc[m][v]);
+        CB_UNROLL for (int v = 0; v < kNV; ++v) acc[0][m][v] = fma(av, wv[v], acc[0][m][v]);
       }
     }
     CB_UNROLL for (int m = 0; m < MR; ++m) {
-      CB_UNROLL for (int v = 0; v < kNV; ++v) acc[m][v].store(c + m * kNR + v * 16);
+      CB_UNROLL for (int v = 0; v < kNV; ++v) {
+        CB_UNROLL for (int u = 1; u < KU; ++u) acc[0][m][v] = acc[0][m][v] + acc[u][m][v];
+        acc[0][m][v].store(c + m * kNR + v * 16);
+      }
     }
   }
 };
+#endif
 
+#if defined(CPU_BACKEND_HAS_DPBF16)
 // bf16 pairs a [ceil(K/2)][MR] x pair panel of bf16 with VDPBF16PS: one
 // instruction does two k for 16 columns.
 struct DpBf16Kernel {
@@ -412,7 +432,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t 
     ap = apack.const_data_ptr<float>();
   }
 
-#if defined(CPU_BACKEND_HAS_DPBF16)
+#if CB_PAIR_BF16
   if (pw.scalar_type() == at::kBFloat16) {
     dispatch_out([&](auto* o) {
       run_linear<PairWidenKernel>(ap, static_cast<const bf16_t*>(pw.const_data_ptr()), bias_ptr, o, M, n, K);

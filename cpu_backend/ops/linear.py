@@ -6,8 +6,9 @@
 `pack_linear_weight` repacks W [N, K] (bf16/fp16/fp32) into column panels
 [ceil(N/NR), K, NR] of the same dtype (NR = `pack_nr()`: 32 on avx512, 16 on
 avx2/portable), zero padded: element (k, j) of panel p is W[p*NR + j, k]. On
-the avx512 build bf16 panels interleave pairs of K rows for VDPBF16PS
-(`pack_pairs(dtype)`; `unpack_linear_weight` undoes either layout). A packed
+the avx512 and AVX2 builds bf16 panels interleave pairs of K rows (VDPBF16PS;
+cheaper widening on AVX2) (`pack_pairs(dtype)`; `unpack_linear_weight` undoes
+either layout). A packed
 weight belongs to the library that made it. `linear` takes x [..., K] (fp32/bf16/fp16) and returns [..., N] in x's
 dtype; it accumulates in fp32 and widens the weights in registers.
 Ops: torch.ops.cpu_backend.{pack_linear_weight, linear}, with fake (meta)
