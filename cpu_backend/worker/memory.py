@@ -34,8 +34,12 @@ from cpu_backend import envs
 
 GiB = float(1 << 30)
 PROFILE_TOKENS = 256
-SAFETY_MARGIN_MIN = 512 << 20  # bytes
-SAFETY_MARGIN_FRACTION = 0.02  # of the rank's memory limit
+# Left free for what "available" memory counts but cannot give: the page cache
+# that the running processes' libraries live in, and the sibling processes (API
+# server, engine core). 512 MiB on a 24 GiB VM let a `--gpu-memory-utilization
+# 0.99` server evict those pages and get the worker OOM-killed.
+SAFETY_MARGIN_MIN = 1 << 30  # bytes
+SAFETY_MARGIN_FRACTION = 0.05  # of the rank's memory limit
 
 
 class KVCacheSizeError(ValueError):
