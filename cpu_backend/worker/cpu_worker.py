@@ -7,6 +7,7 @@ executor protocol, and overrides:
   cpu_backend.topology) and builds our model runner;
 - `load_model`: first checks the weight shard + KV cache fit the rank's NUMA node;
   names the damaged file when safetensors cannot read one (worker/checkpoint_files.py);
+  keeps the rank's thread count, which the host's GPU worker drops to one;
 - `determine_available_memory`: our KV-cache sizing (`cpu_backend.worker.memory`:
   a profiled activation peak, container limits, clear errors before anything
   is allocated) instead of the host's 0.92-of-the-node rule, which refuses to
@@ -89,12 +90,22 @@ class CpuBackendWorker(CPUWorker):
 
     def load_model(self, *args, **kwargs):
         cpu_binding.check_before_load(self.vllm_config, self.cpu_binding)
+        threads = torch.get_num_threads()
         try:
             return super().load_model(*args, **kwargs)
         except Exception as e:
             if type(e).__name__ != "SafetensorError":
                 raise
             raise checkpoint_files.explain(self.vllm_config.model_config.model, e) from e
+        finally:
+            # The host's GPU worker ends load_model by dropping torch to one
+            # thread "for serving" (set_torch_threads_for_runtime): its model
+            # runs on the GPU. Ours runs on these threads; in a worker living
+            # in the caller's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) that
+            # halved decode speed. The host's CPUWorker disables
+            # torch.set_num_threads for the whole process instead.
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
     def _should_warm_up_model(self) -> bool:
         # Our runner's warm-up is one small step in eager mode: always worth it.
