@@ -27,7 +27,7 @@ constexpr int kSplitK = MR == 1 ? 4 : (MR == 2 ? 2 : 1);
 // few L1 fill buffers until its line arrives from DRAM, which caps the misses
 // in flight. On a Sapphire Rapids VM T1 made cold bf16 GEMVs 20-30% faster
 // (2 threads: SmolLM2 qkv 65 -> 49 us, a 56 MB LM head 2.98 -> 2.40 ms, on a
-// par with torch.sum); AMD cores treat the hints alike.
+// par with torch.sum). Not yet measured on AMD Zen.
 #ifndef CB_PANEL_PF_BYTES
 #define CB_PANEL_PF_BYTES 4096
 #endif
