@@ -6,7 +6,7 @@ it lets `importlib.metadata` answer for the name `vllm`, which the host's own
 
 Native kernels: the sources in csrc/ are compiled once per ISA, into one
 library each, loaded with torch.ops.load_library (no Python module init):
-cpu_backend/_kernels_{avx512,avx_vnni,avx2,portable}.so. Each ISA is its own
+cpu_backend/_kernels_{amx,avx512,avx_vnni,avx2,portable}.so. Each ISA is its own
 library so that code compiled for one ISA never runs on a CPU without it;
 cpu_backend.ops.load() picks one from cpu_backend.isa.selected_path().
 The build uses the installed torch: `pip install --no-build-isolation .`.
@@ -43,6 +43,7 @@ SOURCES = [
     "csrc/attention.cpp",
     "csrc/kv_cache.cpp",
     "csrc/linear.cpp",
+    "csrc/linear_amx.cpp",  # empty outside the amx library
     "csrc/linear_wna16.cpp",
     "csrc/norm.cpp",
     "csrc/registration.cpp",
@@ -56,7 +57,8 @@ DEPENDS = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*.h")
 COMMON_FLAGS = ["-O3", "-g0", "-fopenmp", "-Wno-c++20-extensions", "-Wno-maybe-uninitialized"]
 X86 = platform.machine() in ("x86_64", "AMD64")
 
-# name -> (macros, ISA flags). "amx" loads the avx512 library for now.
+# name -> (macros, ISA flags). amx is the avx512 library plus AMX tiles for the
+# bf16 and W8A8 int8 GEMMs (linear_amx.cpp: Sapphire Rapids and newer).
 # avx_vnni is the avx2 library plus 256-bit VNNI (AVX-VNNI: Intel Alder Lake and
 # later client parts, Sierra Forest), which only the int8 dot products use.
 AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
@@ -69,11 +71,11 @@ ISA_LIBS = {
 if X86:
     ISA_LIBS["avx2"] = (["CPU_BACKEND_ISA_AVX2"], AVX2_FLAGS)
     ISA_LIBS["avx_vnni"] = (["CPU_BACKEND_ISA_AVX2", "CPU_BACKEND_HAS_AVX_VNNI"], AVX2_FLAGS + ["-mavxvnni"])
-    ISA_LIBS["avx512"] = (
-        ["CPU_BACKEND_ISA_AVX512"],
-        ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
-         "-mfma", "-mf16c", "-mavx2"],
-    )
+    AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                    "-mavx512vnni", "-mfma", "-mf16c", "-mavx2"]
+    ISA_LIBS["avx512"] = (["CPU_BACKEND_ISA_AVX512"], AVX512_FLAGS)
+    ISA_LIBS["amx"] = (["CPU_BACKEND_ISA_AVX512", "CPU_BACKEND_HAS_AMX"],
+                       AVX512_FLAGS + ["-mamx-tile", "-mamx-bf16", "-mamx-int8"])
 
 
 def libraries_to_build() -> dict:
@@ -83,6 +85,10 @@ def libraries_to_build() -> dict:
         return ISA_LIBS
     if wanted == "native":
         sys.path.insert(0, str(ROOT))  # both modules are torch-free
+        # An installed copy is already imported (site-packages' .pth imports
+        # cpu_backend._dist_alias at start-up): read these sources, not its.
+        for name in [m for m in sys.modules if m == "cpu_backend" or m.startswith("cpu_backend.")]:
+            del sys.modules[name]
         from cpu_backend import isa as isa_paths
         from cpu_backend.ops import LIBRARY_FOR_PATH
 

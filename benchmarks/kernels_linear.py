@@ -5,7 +5,7 @@
 
 Shapes are the linear layers of SmolLM2-135M (hidden 576, intermediate 1536,
 vocab 49152) and Qwen2.5-0.5B (896, 4864, 151936): fused qkv, o, fused
-gate_up, down, lm_head; M = 1 (decode) and 64 / 256 (prefill; lm_head only
+gate_up, down, lm_head; M = 1 (decode) and 64 / 256 / 1024 (prefill; lm_head only
 at M = 1). Columns: our kernels with bf16 weights and bf16 x, one column per
 ISA library (each measured in its own subprocess, since a process loads one
 library), torch F.linear in bf16 and in fp32. Times are medians.
@@ -48,7 +48,7 @@ SHAPES = [
     ("Qwen2.5-0.5B", "down", 896, 4864),
     ("Qwen2.5-0.5B", "lm_head", 151936, 896),
 ]
-MS = (1, 64, 256)
+MS = (1, 64, 256, 1024)
 
 
 def cases(quick: bool):
@@ -225,7 +225,7 @@ def cpu_name() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--isas", default=None, help="comma list (default: avx512,avx2 where supported)")
+    p.add_argument("--isas", default=None, help="comma list (default: amx,avx512,avx2 where supported)")
     p.add_argument("--budget", type=float, default=0.4, help="seconds per measurement")
     p.add_argument("--quick", action="store_true", help="skip M=64")
     p.add_argument("--repeat", type=int, default=3, help="suite runs; best median per cell")
@@ -240,7 +240,7 @@ def main() -> None:
     from cpu_backend import isa as isa_mod
 
     supported = isa_mod.supported_paths()
-    isas = args.isas.split(",") if args.isas else [i for i in ("avx512", "avx2") if i in supported]
+    isas = args.isas.split(",") if args.isas else [i for i in ("amx", "avx512", "avx2") if i in supported]
     isas = isas or ["portable"]
     import torch
 

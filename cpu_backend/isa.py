@@ -18,7 +18,7 @@ _PATHS: dict[str, tuple[str, ...]] = {
     # The avx512 library is built with -mavx512bf16 (VDPBF16PS) and
     # -mavx512vnni (VPDPBUSD, the W8A8 int8 kernel): Skylake-X / Cascade Lake /
     # Ice Lake (no avx512_bf16) take the avx2 path.
-    "amx": ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+    "amx": ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
             "avx512_vnni"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
     # AVX2 with 256-bit VNNI (Intel Alder Lake and later client parts, Sierra

@@ -29,8 +29,10 @@
 #include <utility>
 
 #include "dtype.h"
+#include "linear_amx.h"
 #include "ops.h"
 #include "panel_tasks.h"
+#include "tile_store.h"
 #include "vec/vec.h"
 
 namespace cpu_backend {
@@ -279,24 +281,6 @@ constexpr auto make_kernel_table(std::index_sequence<I...>) {
   return std::array<Fn, sizeof...(I)>{&Kern::template run<int(I) + 1>...};
 }
 
-// tile (mr x NR fp32) + bias -> out rows (only the nn valid columns)
-template <typename OT>
-inline void store_tile(const float* tile, int mr, const float* bias, OT* out, int64_t ldo, int nn) {
-  for (int m = 0; m < mr; ++m) {
-    OT* dst = out + m * ldo;
-    CB_UNROLL for (int v = 0; v < kNV; ++v) {
-      Vec r = Vec::load(tile + m * kNR + v * 16);
-      if (bias) r = r + Vec::load(bias + v * 16);
-      const int cols = nn - v * 16;
-      if (cols >= 16) {
-        r.store(dst + v * 16);
-      } else if (cols > 0) {
-        r.store_partial(dst + v * 16, cols);
-      }
-    }
-  }
-}
-
 // --------------------------------------------------------------- driver ---
 
 template <typename Kern, typename WT, typename OT>
@@ -315,7 +299,7 @@ void run_linear(const typename Kern::AT* ap, const WT* wp, const float* bias, OT
       const int64_t r0 = c * kMR;
       const int mr = int(std::min<int64_t>(kMR, M - r0));
       kernels[mr - 1](ap + c * kMR * KA, panel, K, tile);
-      store_tile(tile, mr, pbias, out + r0 * N + p * kNR, N, nn);
+      store_tile_rows<kNV>(tile, mr, pbias, out + r0 * N + p * kNR, N, nn);
     }
   });
 }
@@ -408,6 +392,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t 
 
 #if defined(CPU_BACKEND_HAS_DPBF16)
   if (pw.scalar_type() == at::kBFloat16 && x2.scalar_type() == at::kBFloat16) {
+#if defined(CPU_BACKEND_HAS_AMX)
+    if (M >= kAmxMinRows && K % 2 == 0 && amx_usable()) {
+      dispatch_out([&](auto* o) {
+        linear_amx_bf16(static_cast<const bf16_t*>(x2.const_data_ptr()), ldx, M, n, K,
+                        static_cast<const bf16_t*>(pw.const_data_ptr()), bias_ptr, o);
+      });
+      return out;
+    }
+#endif
     // bf16 x bf16: two k per VDPBF16PS
     at::Tensor apack = at::empty({ceil_div(M, kMR) * kMR * ceil_div(K, 2)}, x.options().dtype(at::kInt));
     uint32_t* ap = static_cast<uint32_t*>(apack.mutable_data_ptr());

@@ -18,6 +18,8 @@
 //   wsum [16 P] int32 = sum_k q_w (the zero-point / VNNI offset term),
 //   w_scale [16 P] fp32 (padded columns 0).
 // Work split as linear_wna16.cpp: panels x row blocks with at::parallel_for.
+// On the amx library, 16 rows and more run on AMX tiles (TDPBUSD, the same
+// exact integer products: int8_gemm_amx).
 // Registered here with TORCH_LIBRARY_FRAGMENT so registration.cpp stays untouched.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +31,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -36,6 +39,7 @@
 
 #include "dtype.h"
 #include "int8_quant.h"
+#include "linear_amx.h"
 #include "panel_tasks.h"
 #include "vec/vec.h"
 #include "vec/vec_int8.h"
@@ -105,6 +109,48 @@ constexpr std::array<TileFn, sizeof...(I)> make_table(std::index_sequence<I...>)
   return {&int8_tile<int(I) + 1, NP>...};
 }
 
+#if defined(CPU_BACKEND_HAS_AMX)
+// int8_gemm on AMX tiles (amx library, 16 rows and more): a task is a pair of
+// panels times a run of 32-row blocks (amx_int8_block). Whole blocks read the
+// rows in place when Kp is a multiple of 64 (a tile's 64 k); the rest come
+// from a zero-padded copy, so every tile load stays inside its buffer.
+template <typename Epi>
+void int8_gemm_amx(const uint8_t* aq, int64_t Kp, int64_t M, const int8_t* qw, int64_t P, Epi&& epi) {
+  constexpr int64_t kRows = 32;
+  const int64_t K4 = Kp / 4;
+  const int64_t KA = ceil_div(Kp, 64) * 64;  // bytes a block's tile loads read per row
+  const int64_t C = ceil_div(M, kRows);
+  const int64_t c_direct = KA == Kp ? M / kRows : 0;
+  const int64_t copy_rows = (C - c_direct) * kRows;
+  at::Tensor copy;
+  uint8_t* a_copy = nullptr;
+  if (copy_rows) {
+    copy = at::zeros({copy_rows, KA}, at::TensorOptions().dtype(at::kByte));
+    a_copy = copy.mutable_data_ptr<uint8_t>();
+    for (int64_t r = c_direct * kRows; r < M; ++r)
+      std::memcpy(a_copy + (r - c_direct * kRows) * KA, aq + r * Kp, Kp);
+  }
+  parallel_panels(ceil_div(P, 2), C, M * P * kNR * Kp, [&](int64_t pp, int64_t c_begin, int64_t c_end) {
+    alignas(64) int32_t tile[2 * kRows * kNR];
+    const int64_t p0 = 2 * pp;
+    const bool two = p0 + 1 < P;
+    const int8_t* w0 = qw + p0 * K4 * 64;
+    const int8_t* w1 = two ? w0 + K4 * 64 : w0;  // an odd last panel: computed twice, used once
+    amx_begin();
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const bool direct = c < c_direct;
+      const uint8_t* a = direct ? aq + c * kRows * Kp : a_copy + (c - c_direct) * kRows * KA;
+      amx_int8_block(a, direct ? Kp : KA, w0, w1, K4, tile);
+      const int64_t r0 = c * kRows;
+      const int mr = int(std::min<int64_t>(kRows, M - r0));
+      epi(tile, r0, mr, p0);
+      if (two) epi(tile + kRows * kNR, r0, mr, p0 + 1);
+    }
+    amx_end();
+  });
+}
+#endif
+
 // For every (row chunk, panel): the int32 tile of the quantized rows times the
 // panel, handed to epi(tile, r0, mr, p). Rows are kMR at a time; from two rows
 // on, a task takes kInt8NP adjacent panels per micro-kernel call (the last one
@@ -112,6 +158,9 @@ constexpr std::array<TileFn, sizeof...(I)> make_table(std::index_sequence<I...>)
 // weights once either way, and two streams per call measured 1.15x slower.
 template <typename Epi>
 void int8_gemm(const uint8_t* aq, int64_t Kp, int64_t M, const int8_t* qw, int64_t P, Epi&& epi) {
+#if defined(CPU_BACKEND_HAS_AMX)
+  if (M >= kAmxMinRows && amx_usable()) return int8_gemm_amx(aq, Kp, M, qw, P, epi);
+#endif
   static constexpr auto kernels = make_table<kInt8NP>(std::make_index_sequence<kMR>{});
   static constexpr auto single = make_table<1>(std::make_index_sequence<kMR>{});
   const int64_t K4 = Kp / 4;

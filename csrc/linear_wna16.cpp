@@ -48,6 +48,7 @@
 #include "dtype.h"
 #include "int8_quant.h"
 #include "panel_tasks.h"
+#include "tile_store.h"
 #include "vec/vec.h"
 #include "vec/vec_quant.h"
 #include "vec/vec_u4s8.h"
@@ -380,19 +381,6 @@ void pack_rows_a8(const XT* x, int64_t ldx, int64_t M, const KLayout& l, const i
   });
 }
 
-template <typename OT>
-inline void store_tile(const float* tile, int mr, const float* bias, OT* out, int64_t ldo, int nn) {
-  for (int m = 0; m < mr; ++m) {
-    Vec r = Vec::load(tile + m * kNR);
-    if (bias) r = r + Vec::load(bias);
-    if (nn == kNR) {
-      r.store(out + m * ldo);
-    } else {
-      r.store_partial(out + m * ldo, nn);
-    }
-  }
-}
-
 // Panel [B][64] -> fp32 [G * gsp][16] with w = q * scale + zs (group
 // padding rows get zs; the packed x is zero there).
 template <int BITS>
@@ -448,7 +436,7 @@ void for_tiles(int64_t M, int64_t N, int64_t work, const float* bias, OT* out, T
       const int64_t r0 = c * CH;
       const int mr = int(std::min<int64_t>(CH, M - r0));
       chunk_fn(c, mr, tile);
-      store_tile(tile, mr, pb, out + r0 * N + p * kNR, N, nn);
+      store_tile_rows<1>(tile, mr, pb, out + r0 * N + p * kNR, N, nn);
     }
   });
 }

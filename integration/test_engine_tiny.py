@@ -49,7 +49,7 @@ def test_our_worker_runner_and_attention_ran(llm):
     assert rep["attention_backends"] == ["CPU_BACKEND_ATTN"]
     assert rep["attention_impls"] == ["CpuBackendAttentionImpl"]
     # Our native kernels ran: attention and every linear layer (and the LM head).
-    assert rep["kernels_isa"] in ("avx512", "avx_vnni", "avx2", "portable")
+    assert rep["kernels_isa"] in ("amx", "avx512", "avx_vnni", "avx2", "portable")
     assert rep["attention_native"] == [True]
     assert rep["linear_methods"] == ["CpuBackendLMHeadMethod", "CpuBackendLinearMethod"]
     for providers in rep["rms_norm_providers"].values():

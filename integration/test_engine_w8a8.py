@@ -47,6 +47,8 @@ CASES = {
     "w8a8-static-asym-avx2": ("static", False, "avx2"),
     # AVX-VNNI: offset activations (a + 128) and the zero point in one correction
     "w8a8-static-asym-avx_vnni": ("static", False, "avx_vnni"),
+    # AMX tiles (TDPBUSD) for steps of 16 rows and more, with the zero point
+    "w8a8-static-asym-amx": ("static", False, "amx"),
 }
 
 

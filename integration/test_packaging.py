@@ -48,7 +48,7 @@ ENTRYPOINT = str(REPO / "docker" / "entrypoint.sh")
 # Dockerfiles use no other.
 DOCKER_STEPS = {"builder-deps", "wheel", "host", "install", "check", "preload", "healthcheck"}
 X86 = platform.machine() in ("x86_64", "AMD64")
-ISA_LIBS = {"avx512", "avx_vnni", "avx2", "portable"} if X86 else {"portable"}
+ISA_LIBS = {"amx", "avx512", "avx_vnni", "avx2", "portable"} if X86 else {"portable"}
 
 
 def _env(venv: Path | None = None) -> dict:

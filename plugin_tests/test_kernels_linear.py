@@ -1,16 +1,19 @@
 """Native linear kernels (cpu_backend.ops.linear) against a float64 reference.
 
-Every ISA library this CPU can run (avx512, avx2, portable; amx loads the
-avx512 library) is tested in its own subprocess with VLLM_CPU_BACKEND_ISA set,
+Every ISA library this CPU can run (amx, avx512, avx_vnni, avx2, portable) is
+tested in its own subprocess with VLLM_CPU_BACKEND_ISA set,
 since a process holds one kernel library. The subprocess is this file run as a
 script (`--worker ISA`); it prints one JSON line with its findings.
 
 Grid: M in {1, 2, 3, 5, 8, 17, 64, 130} x (N, K) in {(1, 16), (17, 33),
-(64, 576), (1536, 576), (576, 1536), (100, 7)} x weight dtype {bf16, fp16,
+(64, 576), (1536, 576), (576, 1536), (100, 7), (33, 80)} x weight dtype {bf16, fp16,
 fp32} x x dtype {bf16, fp32} x {no bias, bias}, bf16 x also with float32 output
 (out_dtype, what the LM head asks for), plus edge cases (3-D and
 row-strided x, fp16 x, M = 0, K = 0, NaN, bad arguments, fake tensors and
-torch.library.opcheck).
+torch.library.opcheck). On the amx library bf16 x with at least 16 rows and an
+even K runs on AMX tiles: the grid's M >= 17 rows, K = 80 (a partial last k
+tile), M = 16 (the threshold) and M = 700 at K = 1536 (several row groups)
+cover its paths.
 
 Reference: float64 matmul of the very values the kernel sees (x, W and bias
 already rounded to their dtypes), so only the kernel's own rounding is measured.
@@ -38,8 +41,8 @@ import pytest
 
 WORKER_TIMEOUT_S = 240
 MS = (1, 2, 3, 5, 8, 17, 64, 130)
-NKS = ((1, 16), (17, 33), (64, 576), (1536, 576), (576, 1536), (100, 7))
-EXPECTED_LIBRARY = {"amx": "avx512", "avx512": "avx512", "avx_vnni": "avx_vnni", "avx2": "avx2",
+NKS = ((1, 16), (17, 33), (64, 576), (1536, 576), (576, 1536), (100, 7), (33, 80))
+EXPECTED_LIBRARY = {"amx": "amx", "avx512": "avx512", "avx_vnni": "avx_vnni", "avx2": "avx2",
                     "portable": "portable"}
 
 
@@ -148,6 +151,17 @@ def _worker_edges(torch, L, nr, failures, worst):
     check(torch.randn(7, k, generator=gen).to(torch.float16), b32.to(torch.bfloat16), "fp16 x")
     check(torch.randn(1, k, generator=gen).to(torch.float16), None, "fp16 x M=1")
     check(torch.randn(k, generator=gen), b32, "1-D x")
+
+    # bf16 GEMMs at the AMX threshold and past one row group (amx library)
+    for m, kk in ((16, 70), (700, 1536)):
+        wk = (torch.randn(n, kk, generator=gen) / kk**0.5).to(torch.bfloat16)
+        xk = torch.randn(m, kk, generator=gen).to(torch.bfloat16)
+        ref, scale = _reference(torch, xk, wk, b32)
+        pk = L.pack_linear_weight(wk)
+        for out_dtype in (torch.bfloat16, torch.float32, torch.float16):
+            y = L.linear(xk, pk, n, b32, out_dtype)
+            _check(torch, y, ref, scale, out_dtype, f"bf16 GEMM M={m} K={kk} out={out_dtype}", failures, worst)
+            cases += 1
 
     x = torch.randn(3, k, generator=gen)
     if not torch.equal(L.linear_reference(x, w, b32), _reference(torch, x, w, b32)[0]):

@@ -13,7 +13,9 @@ on every ISA library against a Python reference written from the formulas.
   the exact int32 to fp32 once and applies two fp32 multiplies and one add.
 Grid: M = 1, 3, 17, 128 (x 2-D and 3-D), (N, K) = (16, 64), (40, 36),
 (104, 130), (33, 7) (partial panels, K not a multiple of 4), x fp32/bf16/fp16,
-with and without bias, the four activation modes.
+with and without bias, the four activation modes; the integer product also at
+M = 50 and (N, K) = (48, 192). Every library this CPU runs, amx included (AMX
+tiles from 16 rows).
 """
 
 from __future__ import annotations
@@ -70,11 +72,13 @@ def _worker() -> dict:
     # integer product at the extremes (saturation check) and random; panels of
     # 16 columns: 1, 3 and 7 (avx512 pairs them from two rows on, an odd one
     # left alone) and 4
-    for n, k in ((16, 64), (40, 36), (33, 7), (104, 130), (64, 40)):
+    # (48, 192): K a multiple of 64, read in place by the AMX tiles (amx
+    # library) for whole 32-row blocks, M = 50 adds a partial block after one.
+    for n, k in ((16, 64), (40, 36), (33, 7), (104, 130), (64, 40), (48, 192)):
         w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
         w[0] = -128
         lay = kernel_layout(w, torch.ones(n))
-        for m in (1, 3, 17, 128):
+        for m in (1, 3, 17, 50, 128):
             q = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
             q[0] = 127
             if m > 1:
@@ -122,7 +126,8 @@ def _worker() -> dict:
     return {"isa": isa, "failures": failures, "cases": cases}
 
 
-@pytest.mark.parametrize("isa_path", ISA_PATHS)
+# amx: the avx512 library plus AMX tiles, which this kernel uses from 16 rows.
+@pytest.mark.parametrize("isa_path", ["amx", *ISA_PATHS])
 def test_w8a8_kernels_match_reference(isa_path):
     result = run_worker(__file__, isa_path)
     assert result["cases"] >= 200

@@ -1,7 +1,7 @@
 """Native kernels (csrc/): one shared library per ISA, loaded lazily.
 
-setup.py builds `_kernels_avx512.so`, `_kernels_avx_vnni.so`, `_kernels_avx2.so` and
-`_kernels_portable.so` into this package's parent directory (`cpu_backend/`).
+setup.py builds `_kernels_amx.so`, `_kernels_avx512.so`, `_kernels_avx_vnni.so`,
+`_kernels_avx2.so` and `_kernels_portable.so` into this package's parent directory (`cpu_backend/`).
 `load()` loads the one for `cpu_backend.isa.selected_path()` with
 `torch.ops.load_library`, once per process: the libraries register the same
 `torch.ops.cpu_backend.*` ops, so a process holds exactly one of them (to test
@@ -20,8 +20,8 @@ NOT_BUILT = (
     "cpu_backend native kernels are not built: reinstall with pip install --no-build-isolation ."
 )
 
-# isa.selected_path() -> library. AMX has no kernels of its own yet.
-LIBRARY_FOR_PATH = {"amx": "avx512", "avx512": "avx512", "avx_vnni": "avx_vnni", "avx2": "avx2",
+# isa.selected_path() -> library (one per path).
+LIBRARY_FOR_PATH = {"amx": "amx", "avx512": "avx512", "avx_vnni": "avx_vnni", "avx2": "avx2",
                     "portable": "portable"}
 
 _lock = threading.Lock()
@@ -63,9 +63,8 @@ def _already_loaded() -> str | None:
 def load() -> str:
     """Load the kernels for this CPU (idempotent, thread-safe); the build's name.
 
-    Returns what the loaded library reports ("avx512", "avx_vnni", "avx2" or
-    "portable");
-    an AMX CPU gets "avx512". Raises KernelsNotBuilt when the library is missing.
+    Returns what the loaded library reports ("amx", "avx512", "avx_vnni", "avx2"
+    or "portable"). Raises KernelsNotBuilt when the library is missing.
     """
     global _loaded
     if _loaded is not None:

@@ -8,7 +8,11 @@
 
 namespace cpu_backend {
 
+#if defined(CPU_BACKEND_HAS_AMX)
+#define CPU_BACKEND_ISA_NAME "amx"  // the avx512 kernels plus AMX tiles (linear_amx.cpp)
+#else
 #define CPU_BACKEND_ISA_NAME "avx512"
+#endif
 // bf16 weights are packed pair-interleaved and multiplied with VDPBF16PS.
 #define CPU_BACKEND_HAS_DPBF16 1
 
