@@ -1,6 +1,7 @@
-// bf16 x bf16 linear on AMX tiles, built into the amx library only
-// (CPU_BACKEND_HAS_AMX, -mamx-tile -mamx-bf16); linear.cpp calls it for
-// bf16 activations with at least kAmxMinRows rows (prefill, batched decode).
+// AMX tile kernels, built into the amx library only (CPU_BACKEND_HAS_AMX,
+// -mamx-tile -mamx-bf16 -mamx-int8): the bf16 x bf16 linear, which linear.cpp
+// calls for bf16 activations with at least kAmxMinRows rows (prefill, batched
+// decode), and the W8A8 int8 block behind linear_w8a8.cpp's int8_gemm_amx.
 //
 // Why: on a Sapphire Rapids VM (2 cores) the VDPBF16PS microkernels reach
 // ~110 GFLOP/s where PyTorch's oneDNN (AMX) bf16 matmul reaches 0.6-2 TFLOP/s,
@@ -179,7 +180,7 @@ void linear_amx_bf16(const bf16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t
     }
     const float* pbias = bias ? bias + p * kPanel : nullptr;
     const int nn = int(std::min<int64_t>(kPanel, N - p * kPanel));
-    configure_tiles();
+    amx_begin();
     for (int64_t c = c_begin; c < c_end; ++c) {
       const auto [a0, lda_elems] = a_block(c);
       const bf16_t* a1 = a0 + 16 * lda_elems;
@@ -199,13 +200,10 @@ void linear_amx_bf16(const bf16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      if (c == c_begin) {  // the panel's first pass reads it from memory: prefetch ahead
-        for (int64_t k = 0; k < KF; k += kBlockK) {
-          prefetch_panel<kBlockK * kPanel * sizeof(bf16_t)>(panel + k * kPanel);
-          step(k, panel + k * kPanel);
-        }
-      } else {
-        for (int64_t k = 0; k < KF; k += kBlockK) step(k, panel + k * kPanel);
+      const bool first = c == c_begin;  // the panel's first pass reads it from memory: prefetch ahead
+      for (int64_t k = 0; k < KF; k += kBlockK) {
+        if (first) prefetch_panel<kBlockK * kPanel * sizeof(bf16_t)>(panel + k * kPanel);
+        step(k, panel + k * kPanel);
       }
       if (KF < K) step(KF, btail);
       constexpr int64_t ldc = kPanel * int64_t(sizeof(float));
@@ -217,7 +215,7 @@ void linear_amx_bf16(const bf16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t
       const int mr = int(std::min<int64_t>(kBlockM, M - r0));
       store_tile_rows<2>(cbuf, mr, pbias, out + r0 * N + p * kPanel, N, nn);
     }
-    _tile_release();
+    amx_end();
   };
   if (G == 1) {
     parallel_panels(P, C, M * N * K, task);

@@ -20,9 +20,6 @@ constexpr int64_t kAmxMinRows = 16;
 // request (arch_prctl ARCH_REQ_XCOMP_PERM), once per process.
 bool amx_usable();
 
-// out[M, N] = x[M, K] @ W^T + bias for the pair-interleaved bf16 panels of
-// linear.cpp ([ceil(N/32)][K][32], K even); bias is fp32 padded to whole
-// panels, or null.
 // Tile configuration of the calling thread, around any amx_int8_block calls.
 void amx_begin();
 void amx_end();
@@ -34,6 +31,9 @@ void amx_end();
 void amx_int8_block(const uint8_t* a, int64_t lda, const int8_t* w0, const int8_t* w1, int64_t K4,
                     int32_t* c);
 
+// out[M, N] = x[M, K] @ W^T + bias for the pair-interleaved bf16 panels of
+// linear.cpp ([ceil(N/32)][K][32], K even); bias is fp32 padded to whole
+// panels, or null.
 template <typename OT>
 void linear_amx_bf16(const bf16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t K,
                      const bf16_t* packed, const float* bias, OT* out);
