@@ -8,7 +8,9 @@ One pass = the fused qkv, o, fused gate_up and down linears of all layers
 streams the whole decoder's weights like a real step), x bf16 [M, K]. Ours:
 cpu_backend::linear on the library `cpu_backend.isa` selects (set
 VLLM_CPU_BACKEND_ISA to compare libraries); torch: F.linear on the unpacked
-weights (oneDNN). Passes alternate between the two; medians of --repeat.
+weights (oneDNN, weights reordered per call); host: the in-tree backend's
+linear, `vllm._custom_ops.onednn_mm` on weights prepacked once (skipped where
+the host's library lacks it). Passes alternate; medians of --repeat.
 Prints GFLOP/s and the weight bytes read per second. No LM head (its rows
 are the sampled tokens, not the prompt).
 """
@@ -45,6 +47,7 @@ def main() -> None:
     weights = [[(torch.randn(n, k, generator=gen) / k**0.5).bfloat16() for n, k in shapes]
                for _ in range(layers)]
     packed = [[L.pack_linear_weight(w) for w in layer] for layer in weights]
+    host = host_handlers(weights)
     weight_bytes = sum(n * k * 2 for n, k in shapes) * layers
     print(f"{args.model}: {layers} layers x {len(shapes)} linears, ours on {ops.load()}, "
           f"{args.threads} threads, median of {args.repeat}")
@@ -61,7 +64,16 @@ def main() -> None:
                 for (n, k), w in zip(shapes, layer):
                     torch.nn.functional.linear(xs[k], w)
 
+        def host_linear():
+            from vllm import _custom_ops as host_ops
+
+            for layer in host:
+                for (n, k), h in zip(shapes, layer):
+                    host_ops.onednn_mm(h, xs[k], None)
+
         runs = {"ours": (ours, []), "torch": (reference, [])}
+        if host:
+            runs["host"] = (host_linear, [])
         for fn, _ in runs.values():
             fn()  # warm-up
         for _ in range(args.repeat):
@@ -74,6 +86,19 @@ def main() -> None:
             t = statistics.median(times)
             print(f"M={m:5d} {name:5s}: {t * 1e3:8.2f} ms  {flops / t / 1e9:6.0f} GFLOP/s  "
                   f"{weight_bytes / t / 1e9:5.1f} GB/s of weights")
+
+
+def host_handlers(weights):
+    """The in-tree backend's prepacked oneDNN handlers, one per weight, or [] without them."""
+    try:
+        from vllm import _custom_ops as host_ops
+    except Exception as e:  # the host's _C may not load on this CPU
+        print(f"host onednn_mm unavailable: {e}")
+        return []
+    if not host_ops._supports_onednn:
+        print("host onednn_mm unavailable: the host's _C has no create_onednn_mm_handler")
+        return []
+    return [[host_ops.create_onednn_mm(w.t(), 32) for w in layer] for layer in weights]
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@
 // A lone token (decode) is its own item on the per-token path below, which
 // keeps the dot products along head_size (no lanes wasted when G is small).
 // Items run longest first, taken dynamically by the pool's threads, since
-// causal prefill blocks differ in cost.
+// causal prefill blocks differ in cost. A batch with too few items for the
+// threads (batch-1 decode: one item per kv head) has its decode items split
+// along the keys, the parts merged afterwards (split_decodes, combine_parts).
 //
 // Python reference: cpu_backend/attention/paged_torch.py.
 #include <ATen/Parallel.h>
@@ -46,6 +48,7 @@
 #include "dtype.h"
 #include "kv_format.h"
 #include "ops.h"
+#include "panel_tasks.h"
 #include "vec/vec.h"
 #include "vec/vec_i16dot.h"
 
@@ -244,15 +247,23 @@ CB_ALWAYS_INLINE void decode_scores_i16(const int8_t* row, const int16_t (*qi)[k
   }
 }
 
+// Where a decode item's results go: normalized into out, or, for one part of
+// a split key range (see split_decodes), the unnormalized sums of its keys.
+struct DecodePartial {
+  float* acc;  // [G][head_size]: sum_j p_j * value_j, p_j = exp(score_j - max)
+  float* max;  // [G]: the running max the p_j are relative to
+  float* sum;  // [G]: sum_j p_j
+};
+
 template <typename T, typename KV, int NV>
 void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache,
-                  const int32_t* block_row, int64_t pos, int64_t kv_head, T* out) {
+                  const int32_t* block_row, int64_t pos, int64_t k_first, int64_t k_last, int64_t kv_head,
+                  T* out, const DecodePartial* partial) {
   using E = typename KV::elem;
   using V = VecF32x16;
   constexpr int kNvMax = NV > 0 ? NV : kMaxHeadSize / 16;
   const int64_t D = P.head_size, G = P.num_heads / P.num_kv_heads, nv = NV > 0 ? NV : D / 16;
   const int64_t first_head = kv_head * G;
-  const int64_t start = P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : 0;
   const int64_t token_stride = KV::row_elems(D);
   const int64_t head_stride = P.block_size * token_stride;
   const int64_t block_stride = P.num_kv_heads * head_stride;
@@ -302,9 +313,9 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
   const V lane = V::load(kLane), neg_inf = V::broadcast(kNegInf), cap = V::broadcast(P.softcap),
           inv_cap = V::broadcast(P.softcap > 0.f ? 1.f / P.softcap : 0.f);
 
-  for (int64_t t0 = start, n = 0; t0 <= pos; t0 += n) {
+  for (int64_t t0 = k_first, n = 0; t0 <= k_last; t0 += n) {
     const int64_t b = t0 / P.block_size;
-    n = std::min<int64_t>({16, pos + 1 - t0, (b + 1) * P.block_size - t0});
+    n = std::min<int64_t>({16, k_last + 1 - t0, (b + 1) * P.block_size - t0});
     const E* rows = kv_cache + int64_t(block_row[b]) * block_stride + kv_head * head_stride +
                     (t0 - b * P.block_size) * token_stride;
     // Rows kDecodePrefetchRows ahead (usually another block, elsewhere in
@@ -315,9 +326,9 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
     // of bf16 K and V rows are 12 KB at head size 64, 48 KB (all of Zen 5's
     // L1) at 256; into L1 rather than L2 is 10-17% faster for 1-byte rows at
     // head size 64 (Zen 5, AVX-512 and AVX2 builds).
-    if (const int64_t t_pf = t0 + kDecodePrefetchRows; t_pf <= pos) {
+    if (const int64_t t_pf = t0 + kDecodePrefetchRows; t_pf <= k_last) {
       const int64_t bn = t_pf / P.block_size;
-      const int64_t nn = std::min<int64_t>({16, pos + 1 - t_pf, (bn + 1) * P.block_size - t_pf});
+      const int64_t nn = std::min<int64_t>({16, k_last + 1 - t_pf, (bn + 1) * P.block_size - t_pf});
       const char* next = reinterpret_cast<const char*>(kv_cache + int64_t(block_row[bn]) * block_stride +
                                                        kv_head * head_stride + (t_pf - bn * P.block_size) * token_stride);
       const int64_t bytes = nn * token_stride * int64_t(sizeof(E));
@@ -396,20 +407,27 @@ void attend_token(const Params& P, const T* q, const typename KV::elem* kv_cache
   }
 
   for (int64_t g = 0; g < G; ++g) {
+    if (partial) {
+      for (int64_t i = 0; i < nv; ++i) V::load(acc[g] + 16 * i).store(partial->acc + g * D + 16 * i);
+      partial->max[g] = run_max[g];
+      partial->sum[g] = run_sum[g].reduce_add();
+      continue;
+    }
     const V inv = V::broadcast(P.v_scale / run_sum[g].reduce_add());
     T* og = out + (first_head + g) * D;
     for (int64_t i = 0; i < nv; ++i) (V::load(acc[g] + 16 * i) * inv).store(og + 16 * i);
   }
 }
 
-// One decode item, with the head size as a constant where it is a common one.
+// One decode item (keys k_first .. k_last), with the head size as a constant where it is a common one.
 template <typename T, typename KV>
 void attend_decode(const Params& P, const T* q, const typename KV::elem* kv_cache, const int32_t* block_row,
-                   int64_t pos, int64_t kv_head, T* out) {
+                   int64_t pos, int64_t k_first, int64_t k_last, int64_t kv_head, T* out,
+                   const DecodePartial* partial) {
   switch (P.head_size) {
-    case 64: attend_token<T, KV, 4>(P, q, kv_cache, block_row, pos, kv_head, out); break;
-    case 128: attend_token<T, KV, 8>(P, q, kv_cache, block_row, pos, kv_head, out); break;
-    default: attend_token<T, KV, 0>(P, q, kv_cache, block_row, pos, kv_head, out); break;
+    case 64: attend_token<T, KV, 4>(P, q, kv_cache, block_row, pos, k_first, k_last, kv_head, out, partial); break;
+    case 128: attend_token<T, KV, 8>(P, q, kv_cache, block_row, pos, k_first, k_last, kv_head, out, partial); break;
+    default: attend_token<T, KV, 0>(P, q, kv_cache, block_row, pos, k_first, k_last, kv_head, out, partial); break;
   }
 }
 // ---------------------------------------------------------------------------
@@ -581,6 +599,9 @@ void attend_block(const Params& P, const T* q, int64_t q_stride, const typename 
 
 struct WorkItem {
   int64_t first_token, num_tokens, kv_head, cost;
+  // A decode item's keys (a part of the range when split), and its partial
+  // results' slot (-1: not split, the item writes out itself).
+  int64_t k_first = 0, k_last = 0, part = -1;
 };
 
 // Runs of consecutive positions of one request, cut into blocks of at most
@@ -594,11 +615,82 @@ std::vector<WorkItem> plan(const Params& P, const int32_t* req, const int32_t* p
     while (t + n < P.num_tokens && n < max_tokens && req[t + n] == req[t] && pos[t + n] == pos[t] + n) ++n;
     const int64_t last = pos[t] + n - 1;
     const int64_t keys = P.window > 0 ? std::min<int64_t>(last + 1, P.window + n - 1) : last + 1;
-    for (int64_t h = 0; h < P.num_kv_heads; ++h) items.push_back({t, n, h, n * keys});
+    for (int64_t h = 0; h < P.num_kv_heads; ++h) items.push_back({t, n, h, n * keys, last + 1 - keys, last});
     t += n;
   }
-  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
   return items;
+}
+
+// Split-KV decode (flash-decoding): with fewer items than kItemsPerThread per
+// thread (batch-1 or small-batch decode: one item per kv head), a decode
+// item's keys are cut into parts of at least kMinSplitKeys, computed by any
+// threads, and combined afterwards (combine_parts). Without it a batch-1
+// decode keeps only num_kv_heads threads busy (2 of 2 threads, or 3 items on 2
+// threads: 2:1). Returns the number of partial slots used.
+constexpr int64_t kItemsPerThread = 4;
+constexpr int64_t kMinSplitKeys = 128;
+
+int64_t split_decodes(std::vector<WorkItem>& items, int64_t threads) {
+  const int64_t n_items = int64_t(items.size());
+  if (threads <= 1 || n_items >= kItemsPerThread * threads) return 0;
+  const int64_t want = ceil_div(kItemsPerThread * threads, n_items);
+  std::vector<WorkItem> out;
+  int64_t parts = 0;
+  for (const WorkItem& w : items) {
+    const int64_t keys = w.k_last - w.k_first + 1;
+    const int64_t S = w.num_tokens == 1 ? std::min(want, keys / kMinSplitKeys) : 1;
+    if (S <= 1) {
+      out.push_back(w);
+      continue;
+    }
+    const int64_t per = ceil_div(ceil_div(keys, S), 16) * 16;  // whole 16-key chunks
+    for (int64_t k = w.k_first; k <= w.k_last; k += per) {
+      WorkItem p = w;
+      p.k_first = k;
+      p.k_last = std::min(w.k_last, k + per - 1);
+      p.cost = p.k_last - p.k_first + 1;
+      p.part = parts++;
+      out.push_back(p);
+    }
+  }
+  items.swap(out);
+  return parts;
+}
+
+// The split items' outputs from their parts (log-sum-exp merge): per head,
+// out = sum_s e_s * acc_s / sum_s e_s * sum_s, e_s = exp(max_s - max over s).
+template <typename T, typename PartialOf>
+void combine_parts(const Params& P, const std::vector<WorkItem>& items, const PartialOf& partial_of, T* o,
+                   int64_t o_stride) {
+  using V = VecF32x16;
+  const int64_t G = P.num_heads / P.num_kv_heads, D = P.head_size;
+  // (token, kv head) -> its parts; items were sorted by cost, so regroup.
+  std::vector<std::pair<int64_t, int64_t>> order;  // (token * kv heads + head, part)
+  for (const WorkItem& w : items)
+    if (w.part >= 0) order.push_back({w.first_token * P.num_kv_heads + w.kv_head, w.part});
+  std::sort(order.begin(), order.end());
+  for (size_t i = 0; i < order.size();) {
+    size_t j = i;
+    while (j < order.size() && order[j].first == order[i].first) ++j;
+    const int64_t t = order[i].first / P.num_kv_heads, h = order[i].first % P.num_kv_heads;
+    for (int64_t g = 0; g < G; ++g) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (size_t s = i; s < j; ++s) m = std::max(m, partial_of(order[s].second).max[g]);
+      float total = 0.f;
+      alignas(64) float acc[kMaxHeadSize] = {};
+      for (size_t s = i; s < j; ++s) {
+        const DecodePartial part = partial_of(order[s].second);
+        const float e = std::exp(part.max[g] - m);
+        total += e * part.sum[g];
+        const V ev = V::broadcast(e);
+        for (int64_t d = 0; d < D; d += 16) fma(ev, V::load(part.acc + g * D + d), V::load(acc + d)).store(acc + d);
+      }
+      const V inv = V::broadcast(P.v_scale / total);
+      T* og = o + t * o_stride + (h * G + g) * D;
+      for (int64_t d = 0; d < D; d += 16) (V::load(acc + d) * inv).store(og + d);
+    }
+    i = j;
+  }
 }
 
 template <typename T, typename KV>
@@ -615,8 +707,17 @@ void run(const Params& params, at::Tensor& out, const at::Tensor& query, const a
   const int32_t* req = token_req.data_ptr<int32_t>();
   const int32_t* pos = token_pos.data_ptr<int32_t>();
   const int64_t q_stride = query.stride(0), o_stride = out.stride(0);
-  const int64_t G = P.num_heads / P.num_kv_heads;
-  const std::vector<WorkItem> items = plan(P, req, pos);
+  const int64_t G = P.num_heads / P.num_kv_heads, D = P.head_size;
+  std::vector<WorkItem> items = plan(P, req, pos);
+  const int64_t parts = split_decodes(items, at::get_num_threads());
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  // Split parts' results: [parts][G][D] sums, then [parts][G] maxima and sums.
+  std::vector<float> partial_buf(parts * G * (D + 2));
+  const auto partial_of = [&](int64_t part) {
+    float* base = partial_buf.data();
+    return DecodePartial{base + part * G * D, base + parts * G * D + part * G,
+                         base + parts * G * (D + 1) + part * G};
+  };
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), int64_t(items.size()));
   at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
@@ -626,7 +727,9 @@ void run(const Params& params, at::Tensor& out, const at::Tensor& query, const a
       const int64_t t = w.first_token;
       const int32_t* block_row = bt + int64_t(req[t]) * P.bt_stride;
       if (w.num_tokens == 1) {
-        attend_decode<T, KV>(P, q + t * q_stride, kv, block_row, pos[t], w.kv_head, o + t * o_stride);
+        const DecodePartial partial = w.part >= 0 ? partial_of(w.part) : DecodePartial{};
+        attend_decode<T, KV>(P, q + t * q_stride, kv, block_row, pos[t], w.k_first, w.k_last, w.kv_head,
+                             o + t * o_stride, w.part >= 0 ? &partial : nullptr);
         continue;
       }
       if (!scratch) scratch = std::make_unique<Scratch>(P.head_size);
@@ -642,6 +745,7 @@ void run(const Params& params, at::Tensor& out, const at::Tensor& query, const a
       }
     }
   });
+  if (parts) combine_parts(P, items, partial_of, o, o_stride);
 }
 
 }  // namespace

@@ -132,6 +132,9 @@ void amx_int8_block(const uint8_t* a, int64_t lda, const int8_t* w0, const int8_
   _tile_stored(3, c + 48 * 16, ldc);
 }
 
+// The panel the calling thread's previous task prefetched (see linear_amx_bf16).
+thread_local const bf16_t* prefetched_panel = nullptr;
+
 bool amx_usable() {
   static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return granted;
@@ -168,6 +171,8 @@ void linear_amx_bf16(const bf16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t
   const int64_t a_block_bytes = kBlockM * KP * int64_t(sizeof(bf16_t));
   const int64_t G = ceil_div(C, std::max<int64_t>(1, kGroupBytes / a_block_bytes));
   const int64_t per_group = ceil_div(C, G);  // groups of equal size: equal tasks
+  const int64_t panel_bytes = K * kPanel * int64_t(sizeof(bf16_t));
+  const int64_t steps = KF / kBlockK;
   const auto task = [&](int64_t p, int64_t c_begin, int64_t c_end) {
     alignas(64) float cbuf[kBlockM * kPanel];
     // The panel's last k < 32 as a zero-padded pair-row block: a tile load in
@@ -180,7 +185,19 @@ void linear_amx_bf16(const bf16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t
     }
     const float* pbias = bias ? bias + p * kPanel : nullptr;
     const int nn = int(std::min<int64_t>(kPanel, N - p * kPanel));
-    amx_begin();
+    // Prefetch into L2. One pass (up to 32 rows): the panel ahead of its own
+    // tile loads. Several passes (32-row blocks): the passes after the first
+    // read the panel from cache and would leave memory idle, so the next panel
+    // (a thread's tasks run in panel order) streams in, spread over all of
+    // this panel's passes; a thread's first panel, which no earlier task
+    // fetched, still prefetches itself on its first pass. (Measured on SPR,
+    // SmolLM2 layers: 5-10% less time at 48-1024 rows; at 16-32 rows the
+    // next-panel stream was ~5% slower than prefetching ahead.)
+    const int64_t passes = c_end - c_begin;
+    const char* next = passes > 1 ? reinterpret_cast<const char*>(packed + ((p + 1) % P) * K * kPanel) : nullptr;
+    const int64_t pf_step = ceil_div(ceil_div(panel_bytes, passes * std::max<int64_t>(steps, 1)), 64) * 64;
+    const bool self_pf = prefetched_panel != panel;
+    prefetched_panel = reinterpret_cast<const bf16_t*>(next);
     for (int64_t c = c_begin; c < c_end; ++c) {
       const auto [a0, lda_elems] = a_block(c);
       const bf16_t* a1 = a0 + 16 * lda_elems;
@@ -200,9 +217,12 @@ void linear_amx_bf16(const bf16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      const bool first = c == c_begin;  // the panel's first pass reads it from memory: prefetch ahead
-      for (int64_t k = 0; k < KF; k += kBlockK) {
+      const bool first = self_pf && c == c_begin;
+      for (int64_t k = 0, pf = (c - c_begin) * steps * pf_step; k < KF; k += kBlockK, pf += pf_step) {
         if (first) prefetch_panel<kBlockK * kPanel * sizeof(bf16_t)>(panel + k * kPanel);
+        if (next)
+          for (int64_t off = pf; off < std::min(pf + pf_step, panel_bytes); off += 64)
+            _mm_prefetch(next + off, _MM_HINT_T1);
         step(k, panel + k * kPanel);
       }
       if (KF < K) step(KF, btail);
@@ -215,12 +235,12 @@ void linear_amx_bf16(const bf16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t
       const int mr = int(std::min<int64_t>(kBlockM, M - r0));
       store_tile_rows<2>(cbuf, mr, pbias, out + r0 * N + p * kPanel, N, nn);
     }
-    amx_end();
   };
   if (G == 1) {
-    parallel_panels(P, C, M * N * K, task);
+    parallel_panels<AmxTiles>(P, C, M * N * K, task);
   } else {
     at::parallel_for(0, G * P, 1, [&](int64_t t0, int64_t t1) {
+      const AmxTiles tiles;
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t g = t / P;
         task(t % P, g * per_group, std::min(C, (g + 1) * per_group));

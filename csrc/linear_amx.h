@@ -20,9 +20,16 @@ constexpr int64_t kAmxMinRows = 16;
 // request (arch_prctl ARCH_REQ_XCOMP_PERM), once per process.
 bool amx_usable();
 
-// Tile configuration of the calling thread, around any amx_int8_block calls.
+// The calling thread's tile configuration, set for the object's lifetime
+// (around any amx_int8_block calls; a task scope of parallel_panels).
 void amx_begin();
 void amx_end();
+struct AmxTiles {
+  AmxTiles() { amx_begin(); }
+  ~AmxTiles() { amx_end(); }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
 
 // c[2][32][16] int32 (panel 0, then panel 1; rows at a stride of 16) = the 32
 // byte rows at a (stride lda; 4 * ceil(K4 / 16) * 16 bytes readable per row)

@@ -130,13 +130,12 @@ void int8_gemm_amx(const uint8_t* aq, int64_t Kp, int64_t M, const int8_t* qw, i
     for (int64_t r = c_direct * kRows; r < M; ++r)
       std::memcpy(a_copy + (r - c_direct * kRows) * KA, aq + r * Kp, Kp);
   }
-  parallel_panels(ceil_div(P, 2), C, M * P * kNR * Kp, [&](int64_t pp, int64_t c_begin, int64_t c_end) {
+  parallel_panels<AmxTiles>(ceil_div(P, 2), C, M * P * kNR * Kp, [&](int64_t pp, int64_t c_begin, int64_t c_end) {
     alignas(64) int32_t tile[2 * kRows * kNR];
     const int64_t p0 = 2 * pp;
     const bool two = p0 + 1 < P;
     const int8_t* w0 = qw + p0 * K4 * 64;
     const int8_t* w1 = two ? w0 + K4 * 64 : w0;  // an odd last panel: computed twice, used once
-    amx_begin();
     for (int64_t c = c_begin; c < c_end; ++c) {
       const bool direct = c < c_direct;
       const uint8_t* a = direct ? aq + c * kRows * Kp : a_copy + (c - c_direct) * kRows * KA;
@@ -146,7 +145,6 @@ void int8_gemm_amx(const uint8_t* aq, int64_t Kp, int64_t M, const int8_t* qw, i
       epi(tile, r0, mr, p0);
       if (two) epi(tile + kRows * kNR, r0, mr, p0 + 1);
     }
-    amx_end();
   });
 }
 #endif

@@ -42,9 +42,13 @@ inline void prefetch_panel(const void* p) {
   }
 }
 
+struct NoTaskScope {};
+
 // Calls f(panel, first_chunk, end_chunk) for every task, on the pool's
 // threads. `work` (about M * N * K) decides whether a parallel region pays.
-template <typename F>
+// A Scope object lives around each thread's run of tasks (the AMX kernels'
+// tile configuration: set once per thread and call, not per task).
+template <typename Scope = NoTaskScope, typename F>
 void parallel_panels(int64_t P, int64_t C, int64_t work, F&& f) {
   const int64_t T = std::max(1, at::get_num_threads());
   // Few panels: also split rows so every thread gets work.
@@ -56,6 +60,7 @@ void parallel_panels(int64_t P, int64_t C, int64_t work, F&& f) {
   // Tiny problems: one thread (a parallel region costs a few microseconds).
   const int64_t grain = work < (int64_t(1) << 17) ? tasks : 1;
   at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    [[maybe_unused]] Scope scope;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t rb = t % row_blocks;
       f(t / row_blocks, rb * per_block, std::min(C, (rb + 1) * per_block));
