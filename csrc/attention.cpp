@@ -626,15 +626,21 @@ std::vector<WorkItem> plan(const Params& P, const int32_t* req, const int32_t* p
 // item's keys are cut into parts of at least kMinSplitKeys, computed by any
 // threads, and combined afterwards (combine_parts). Without it a batch-1
 // decode keeps only num_kv_heads threads busy (2 of 2 threads, or 3 items on 2
-// threads: 2:1). Returns the number of partial slots used.
+// threads: 2:1). One SplitDecode per item split; its parts take consecutive
+// partial slots.
 constexpr int64_t kItemsPerThread = 4;
 constexpr int64_t kMinSplitKeys = 128;
 
-int64_t split_decodes(std::vector<WorkItem>& items, int64_t threads) {
+struct SplitDecode {
+  int64_t token, kv_head, first_part, num_parts;
+};
+
+std::vector<SplitDecode> split_decodes(std::vector<WorkItem>& items, int64_t threads) {
   const int64_t n_items = int64_t(items.size());
-  if (threads <= 1 || n_items >= kItemsPerThread * threads) return 0;
+  if (threads <= 1 || n_items >= kItemsPerThread * threads) return {};
   const int64_t want = ceil_div(kItemsPerThread * threads, n_items);
   std::vector<WorkItem> out;
+  std::vector<SplitDecode> splits;
   int64_t parts = 0;
   for (const WorkItem& w : items) {
     const int64_t keys = w.k_last - w.k_first + 1;
@@ -644,6 +650,7 @@ int64_t split_decodes(std::vector<WorkItem>& items, int64_t threads) {
       continue;
     }
     const int64_t per = ceil_div(ceil_div(keys, S), 16) * 16;  // whole 16-key chunks
+    splits.push_back({w.first_token, w.kv_head, parts, 0});
     for (int64_t k = w.k_first; k <= w.k_last; k += per) {
       WorkItem p = w;
       p.k_first = k;
@@ -651,45 +658,44 @@ int64_t split_decodes(std::vector<WorkItem>& items, int64_t threads) {
       p.cost = p.k_last - p.k_first + 1;
       p.part = parts++;
       out.push_back(p);
+      ++splits.back().num_parts;
     }
   }
   items.swap(out);
-  return parts;
+  return splits;
+}
+
+// Partial slot `part` of a buffer of [parts][G][head_size + 2] floats.
+DecodePartial partial_slot(float* buf, int64_t part, int64_t G, int64_t D) {
+  float* base = buf + part * G * (D + 2);
+  return DecodePartial{base, base + G * D, base + G * (D + 1)};
 }
 
 // The split items' outputs from their parts (log-sum-exp merge): per head,
 // out = sum_s e_s * acc_s / sum_s e_s * sum_s, e_s = exp(max_s - max over s).
-template <typename T, typename PartialOf>
-void combine_parts(const Params& P, const std::vector<WorkItem>& items, const PartialOf& partial_of, T* o,
+template <typename T>
+void combine_parts(const Params& P, const std::vector<SplitDecode>& splits, float* partial_buf, T* o,
                    int64_t o_stride) {
   using V = VecF32x16;
   const int64_t G = P.num_heads / P.num_kv_heads, D = P.head_size;
-  // (token, kv head) -> its parts; items were sorted by cost, so regroup.
-  std::vector<std::pair<int64_t, int64_t>> order;  // (token * kv heads + head, part)
-  for (const WorkItem& w : items)
-    if (w.part >= 0) order.push_back({w.first_token * P.num_kv_heads + w.kv_head, w.part});
-  std::sort(order.begin(), order.end());
-  for (size_t i = 0; i < order.size();) {
-    size_t j = i;
-    while (j < order.size() && order[j].first == order[i].first) ++j;
-    const int64_t t = order[i].first / P.num_kv_heads, h = order[i].first % P.num_kv_heads;
+  for (const SplitDecode& sd : splits) {
+    const int64_t s0 = sd.first_part, s1 = sd.first_part + sd.num_parts;
     for (int64_t g = 0; g < G; ++g) {
       float m = -std::numeric_limits<float>::infinity();
-      for (size_t s = i; s < j; ++s) m = std::max(m, partial_of(order[s].second).max[g]);
+      for (int64_t s = s0; s < s1; ++s) m = std::max(m, partial_slot(partial_buf, s, G, D).max[g]);
       float total = 0.f;
       alignas(64) float acc[kMaxHeadSize] = {};
-      for (size_t s = i; s < j; ++s) {
-        const DecodePartial part = partial_of(order[s].second);
+      for (int64_t s = s0; s < s1; ++s) {
+        const DecodePartial part = partial_slot(partial_buf, s, G, D);
         const float e = std::exp(part.max[g] - m);
         total += e * part.sum[g];
         const V ev = V::broadcast(e);
         for (int64_t d = 0; d < D; d += 16) fma(ev, V::load(part.acc + g * D + d), V::load(acc + d)).store(acc + d);
       }
       const V inv = V::broadcast(P.v_scale / total);
-      T* og = o + t * o_stride + (h * G + g) * D;
+      T* og = o + sd.token * o_stride + (sd.kv_head * G + g) * D;
       for (int64_t d = 0; d < D; d += 16) (V::load(acc + d) * inv).store(og + d);
     }
-    i = j;
   }
 }
 
@@ -709,15 +715,10 @@ void run(const Params& params, at::Tensor& out, const at::Tensor& query, const a
   const int64_t q_stride = query.stride(0), o_stride = out.stride(0);
   const int64_t G = P.num_heads / P.num_kv_heads, D = P.head_size;
   std::vector<WorkItem> items = plan(P, req, pos);
-  const int64_t parts = split_decodes(items, at::get_num_threads());
+  const std::vector<SplitDecode> splits = split_decodes(items, at::get_num_threads());
   std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
-  // Split parts' results: [parts][G][D] sums, then [parts][G] maxima and sums.
+  const int64_t parts = splits.empty() ? 0 : splits.back().first_part + splits.back().num_parts;
   std::vector<float> partial_buf(parts * G * (D + 2));
-  const auto partial_of = [&](int64_t part) {
-    float* base = partial_buf.data();
-    return DecodePartial{base + part * G * D, base + parts * G * D + part * G,
-                         base + parts * G * (D + 1) + part * G};
-  };
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), int64_t(items.size()));
   at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
@@ -727,7 +728,7 @@ void run(const Params& params, at::Tensor& out, const at::Tensor& query, const a
       const int64_t t = w.first_token;
       const int32_t* block_row = bt + int64_t(req[t]) * P.bt_stride;
       if (w.num_tokens == 1) {
-        const DecodePartial partial = w.part >= 0 ? partial_of(w.part) : DecodePartial{};
+        const DecodePartial partial = w.part >= 0 ? partial_slot(partial_buf.data(), w.part, G, D) : DecodePartial{};
         attend_decode<T, KV>(P, q + t * q_stride, kv, block_row, pos[t], w.k_first, w.k_last, w.kv_head,
                              o + t * o_stride, w.part >= 0 ? &partial : nullptr);
         continue;
@@ -745,7 +746,7 @@ void run(const Params& params, at::Tensor& out, const at::Tensor& query, const a
       }
     }
   });
-  if (parts) combine_parts(P, items, partial_of, o, o_stride);
+  if (parts) combine_parts(P, splits, partial_buf.data(), o, o_stride);
 }
 
 }  // namespace

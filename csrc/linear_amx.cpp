@@ -53,6 +53,9 @@ constexpr int64_t kBlockM = 32;  // rows per task step: two A tiles
 #endif
 constexpr int64_t kGroupBytes = CB_AMX_GROUP_BYTES;
 
+// The panel the calling thread's previous task prefetched (see linear_amx_bf16).
+thread_local const bf16_t* prefetched_panel = nullptr;
+
 constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl: request an XSAVE feature
 constexpr long kXfeatureXtiledata = 18;
 
@@ -132,9 +135,6 @@ void amx_int8_block(const uint8_t* a, int64_t lda, const int8_t* w0, const int8_
   _tile_stored(3, c + 48 * 16, ldc);
 }
 
-// The panel the calling thread's previous task prefetched (see linear_amx_bf16).
-thread_local const bf16_t* prefetched_panel = nullptr;
-
 bool amx_usable() {
   static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return granted;
@@ -194,10 +194,11 @@ void linear_amx_bf16(const bf16_t* x, int64_t ldx, int64_t M, int64_t N, int64_t
     // SmolLM2 layers: 5-10% less time at 48-1024 rows; at 16-32 rows the
     // next-panel stream was ~5% slower than prefetching ahead.)
     const int64_t passes = c_end - c_begin;
-    const char* next = passes > 1 ? reinterpret_cast<const char*>(packed + ((p + 1) % P) * K * kPanel) : nullptr;
+    const bf16_t* next_panel = passes > 1 ? packed + ((p + 1) % P) * K * kPanel : nullptr;
+    const char* next = reinterpret_cast<const char*>(next_panel);
     const int64_t pf_step = ceil_div(ceil_div(panel_bytes, passes * std::max<int64_t>(steps, 1)), 64) * 64;
     const bool self_pf = prefetched_panel != panel;
-    prefetched_panel = reinterpret_cast<const bf16_t*>(next);
+    prefetched_panel = next_panel;
     for (int64_t c = c_begin; c < c_end; ++c) {
       const auto [a0, lda_elems] = a_block(c);
       const bf16_t* a1 = a0 + 16 * lda_elems;
