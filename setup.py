@@ -50,6 +50,7 @@ SOURCES = [
     "csrc/linear_w8a8.cpp",
     "csrc/activation.cpp",
     "csrc/rotary.cpp",
+    "csrc/threads.cpp",  # OpenMP thread pinning (ISA-independent)
 ]
 DEPENDS = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*.h"))]
 # -g0: Python's CFLAGS add -g, which doubles compile time and .so size.

@@ -24,6 +24,8 @@ LM_HEAD_QUANT = "VLLM_CPU_BACKEND_LM_HEAD_QUANT"
 LM_HEAD_QUANT_CHOICES = ("none", "int8")
 # Ours: replay small steps from captured graphs (cpu_backend.worker.step_graphs), default 1.
 STEP_GRAPHS = "VLLM_CPU_BACKEND_STEP_GRAPHS"
+# Ours: run a single rank's worker inside the engine-core process, default 0.
+WORKER_IN_ENGINE = "VLLM_CPU_BACKEND_WORKER_IN_ENGINE"
 # The host's: serve 4-bit checkpoints with int8 activations (W4A8), default 1.
 INT4_W4A8 = "VLLM_CPU_INT4_W4A8"
 # The host's own flags, read with bool(int(...)) deep inside its workers.
@@ -157,6 +159,12 @@ def step_graphs() -> bool:
     return _flag(STEP_GRAPHS) is not False
 
 
+def worker_in_engine() -> bool:
+    """`VLLM_CPU_BACKEND_WORKER_IN_ENGINE`: 0 (default) or 1 to run a single
+    rank's worker in the engine-core process."""
+    return bool(_flag(WORKER_IN_ENGINE))
+
+
 def lm_head_quant() -> str:
     """`VLLM_CPU_BACKEND_LM_HEAD_QUANT`: 'none' (default) or 'int8'."""
     value = (_raw(LM_HEAD_QUANT) or "none").lower()
@@ -197,3 +205,4 @@ def validate_all() -> None:
     sgl_kernel()
     lm_head_quant()
     step_graphs()
+    worker_in_engine()

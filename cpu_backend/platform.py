@@ -9,7 +9,9 @@ allocator). Keeping `CPU` keeps those paths and we take over, through the
 platform's own hooks, exactly what we own:
 
 - the attention backend (`get_attn_backend_cls`): ours, under our own name;
-- the worker (`check_and_update_config` sets `worker_cls`);
+- the worker (`check_and_update_config` sets `worker_cls`), and with
+  `VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1` where a single rank's worker runs (the
+  engine-core process, not a process of its own);
 - validation of dtype, KV-cache dtype, block size, head size and the
   `VLLM_CPU_*` variables, with errors naming the setting, at start-up;
 - defaults: eager execution (torch.compile costs ~1 min of start-up on a CPU
@@ -164,8 +166,16 @@ class CpuBackendPlatform(CpuPlatform):
         user_block_size = cache_config.user_specified_block_size
         # vLLM has already resolved the user's flag and its incompatibilities.
         async_scheduling = vllm_config.scheduler_config.async_scheduling
+        # "uni": vLLM's choice for a single rank (or the user's).
+        worker_in_engine = (
+            envs.worker_in_engine()
+            and parallel_config.distributed_executor_backend == "uni"
+            and parallel_config.data_parallel_size == 1
+        )
         super().check_and_update_config(vllm_config)
         vllm_config.scheduler_config.async_scheduling = async_scheduling
+        if worker_in_engine:
+            _keep_worker_in_engine_process(parallel_config)
         model_config = vllm_config.model_config
         uses_mla = model_config is not None and model_config.use_mla
         if not user_block_size and not uses_mla:
@@ -175,6 +185,22 @@ class CpuBackendPlatform(CpuPlatform):
         from cpu_backend import serve_exit
 
         serve_exit.install()  # `vllm serve` exits non-zero after an engine death
+
+
+def _keep_worker_in_engine_process(parallel_config) -> None:
+    """`VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1`, one rank: the worker runs in the
+    engine-core process (vLLM's `uni` executor), which the host replaces by a
+    separate worker process because OpenMP placement must be in the environment
+    before a process starts. Ours pins the running pool instead
+    (cpu_backend.worker.binding). Saves the second process's start-up (an import
+    of vLLM) and the per-step message queue; loses the overlap of scheduling
+    with the forward pass that async scheduling gets across two processes
+    (figures in docs/threads_and_tp.md), hence opt-in."""
+    parallel_config.distributed_executor_backend = "uni"
+    # What the host's executor gives an Intel OpenMP worker, for this process's
+    # children (the engine core reads them when its runtime starts).
+    os.environ.setdefault("KMP_BLOCKTIME", "5")
+    os.environ.setdefault("KMP_TPAUSE", "0")
 
 
 def _validate_with(backend_cls, cfg: AttentionSelectorConfig) -> list[str]:
@@ -287,11 +313,12 @@ def _log_choice_once(vllm_config: VllmConfig) -> None:
     _logged = True
     _start_up_hints()
     logger.info(
-        "cpu_backend: platform=%s attention=%s worker=%s isa=%s kernels=native "
+        "cpu_backend: platform=%s attention=%s worker=%s executor=%s isa=%s kernels=native "
         "(linear, attention, rms_norm) block_size=%d compile_mode=%s async_scheduling=%s",
         CpuBackendPlatform.__name__,
         ATTENTION_BACKEND_NAME,
         vllm_config.parallel_config.worker_cls.rsplit(".", 1)[-1],
+        vllm_config.parallel_config.distributed_executor_backend,
         isa.describe(),
         vllm_config.cache_config.block_size,
         vllm_config.compilation_config.mode.name

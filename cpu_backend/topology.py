@@ -167,10 +167,23 @@ def _node_memory(node_dir: Path) -> tuple[int, int] | None:
     return free * 1024, kb.get("MemTotal", 0) * 1024
 
 
+# The process's affinity mask before our worker bound this thread to its rank's
+# CPUs (with VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1 the engine-core process
+# re-validates its config after its worker bound it): what the process may use.
+_affinity_before_binding: frozenset[int] | None = None
+
+
+def note_binding(previous_affinity) -> None:
+    """Called by the worker before it narrows this thread's affinity."""
+    global _affinity_before_binding
+    if _affinity_before_binding is None:
+        _affinity_before_binding = frozenset(previous_affinity)
+
+
 def discover(root: str | os.PathLike = "/", affinity=None) -> Topology:
     """Read the topology under `root`. With the real root the affinity mask
-    comes from `os.sched_getaffinity`; under a fake root from its
-    proc/self/status (`Cpus_allowed_list`)."""
+    comes from `os.sched_getaffinity` (as it was before our worker bound this
+    thread); under a fake root from its proc/self/status (`Cpus_allowed_list`)."""
     root = Path(root)
     cpu_dir = root / "sys/devices/system/cpu"
     present = _read_ids(cpu_dir / "present") or _read_ids(cpu_dir / "possible") or []
@@ -203,7 +216,7 @@ def discover(root: str | os.PathLike = "/", affinity=None) -> Topology:
 
     if affinity is None:
         if root == Path("/"):
-            affinity = os.sched_getaffinity(0)
+            affinity = _affinity_before_binding or os.sched_getaffinity(0)
         else:
             listed = _status_field(root, "Cpus_allowed_list")
             affinity = parse_cpu_list(listed) if listed else online

@@ -1,7 +1,12 @@
-"""`LLM(...)` with the worker in the caller's process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as in notebooks and debuggers): the
-worker keeps its bound thread count through start-up, so the model runs on
-every bound CPU, and its tokens equal the multiprocess engine's."""
+"""Where a single rank's worker runs, and on which CPUs its threads run.
+
+- `LLM(...)` with the worker in the caller's process
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as in notebooks and debuggers): the
+  worker keeps its bound thread count through start-up, so the model runs on
+  every bound CPU, one OpenMP thread pinned per CPU.
+- `LLM(...)` with `VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1`: the worker runs inside
+  the engine-core process (no separate worker process), with the same
+  pinning, and gives the same tokens."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from integration.conftest import greedy, report, running_llm
@@ -26,16 +32,18 @@ llm = LLM(model=sys.argv[1], dtype="float32", seed=0, max_model_len=256)
 out = llm.generate([{"prompt_token_ids": json.loads(sys.argv[2])}],
                    SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True), use_tqdm=False)
 print("RESULT " + json.dumps({"bound_cpus": rep["bound_cpus"], "worker_threads": rep["torch_threads"],
-      "caller_threads": torch.get_num_threads(), "tokens": list(out[0].outputs[0].token_ids)}))
+      "caller_threads": torch.get_num_threads(), "omp_thread_cpus": rep["omp_thread_cpus"],
+      "tokens": list(out[0].outputs[0].token_ids)}))
 """
 
 
 # Every CPU: "auto" may leave one for the frontend, and one thread would hide the bug.
-ENV = {"VLLM_CPU_OMP_THREADS_BIND": "all", "VLLM_CPU_KVCACHE_SPACE": "1"}
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "all", "VLLM_CPU_KVCACHE_SPACE": "1",
+       "VLLM_CPU_BACKEND_WORKER_IN_ENGINE": "1"}
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-def test_in_process_worker_keeps_its_threads_and_tokens(tiny_llama, monkeypatch):
+def test_single_rank_worker_pins_its_threads_in_the_caller_and_in_the_engine_process(tiny_llama, monkeypatch):
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, tiny_llama, json.dumps(PROMPT), str(NEW_TOKENS)], capture_output=True, text=True, timeout=300,
         env=_env({**ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
@@ -47,10 +55,18 @@ def test_in_process_worker_keeps_its_threads_and_tokens(tiny_llama, monkeypatch)
     assert len(cpus) == len(os.sched_getaffinity(0)), got
     # One process: the report's count is the caller's too.
     assert got["worker_threads"] == got["caller_threads"] == len(cpus), got
+    assert got["omp_thread_cpus"] == [[cpu] for cpu in cpus], got
 
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)
     with running_llm(tiny_llama, dtype="float32", max_model_len=256) as llm:
-        assert report(llm)["torch_threads"] == len(cpus)
+        rep = report(llm)
+        engine = psutil.Process(rep["pid"])
+        title, parent = " ".join(engine.cmdline()), engine.ppid()
+        children = engine.children(recursive=True)
         (want,) = greedy(llm, [PROMPT], NEW_TOKENS)
+    assert rep["torch_threads"] == len(cpus)
+    assert parent == os.getpid() and title.startswith("VLLM::EngineCore"), title
+    assert not children, [" ".join(c.cmdline()) for c in children]  # no worker process
+    assert rep["omp_thread_cpus"] == [[cpu] for cpu in rep["bound_cpus"]], rep
     assert got["tokens"] == list(want.outputs[0].token_ids)

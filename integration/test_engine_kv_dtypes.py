@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -46,6 +47,15 @@ ACCURACY_BOUNDS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def worker_in_engine():
+    """Engines here run their worker in the engine-core process: one process
+    start fewer for each of this module's 13 engines (the kernels are the same)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_BACKEND_WORKER_IN_ENGINE", "1")
+        yield
+
+
 def _prompts(lengths, seed):
     rng = random.Random(seed)
     return [[rng.randrange(3, 700) for _ in range(n)] for n in lengths]
@@ -62,7 +72,9 @@ def test_prefix_cache_and_chunked_prefill_reuse_quantized_blocks(tiny_llama, kv_
     ) as llm:
         greedy(llm, [prefix + [9]], max_tokens=1)  # puts the prefix in the cache
         outs = greedy(llm, prompts, 32)
-        assert report(llm)["attention_native"] == [True]
+        rep = report(llm)
+        assert rep["attention_native"] == [True] and rep["pid"] != os.getpid()
+        assert rep["omp_thread_cpus"] == [[cpu] for cpu in rep["bound_cpus"]], rep
     assert all(o.num_cached_tokens >= 48 for o in outs), [o.num_cached_tokens for o in outs]
     with running_llm(tiny_llama, enable_prefix_caching=False, **common) as llm:
         want = greedy(llm, prompts, 32)

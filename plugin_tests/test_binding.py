@@ -35,6 +35,46 @@ def test_thread_cpus_within_the_affinity_mask():
     assert set(binding.thread_cpus()) == set(os.sched_getaffinity(0))
 
 
+PIN_SCRIPT = """
+import json, os, sys, torch
+from cpu_backend import topology
+from cpu_backend.worker import binding
+torch.ones(1 << 16).sum()  # the OpenMP pool exists, on every CPU, before binding
+cpus = tuple(json.loads(sys.argv[1]))
+before = binding.omp_thread_cpus()
+binding.apply(topology.RankBinding(local_rank=0, cpus=cpus, node=0, nodes=(0,)))
+after = binding.omp_thread_cpus()
+try:
+    torch.ops.cpu_backend.pin_threads([10**6, cpus[0]])
+    error = None
+except RuntimeError as e:
+    error = str(e).splitlines()[0]
+print("RESULT " + json.dumps({"before": before, "after": after,
+                              "threads": torch.get_num_threads(), "error": error}))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_apply_pins_one_running_openmp_thread_per_cpu():
+    """Without OMP_PLACES (a worker in an already started process) the pool
+    that already exists is pinned one thread per CPU, in the rank's order."""
+    import json
+    import subprocess
+    import sys
+
+    cpus = sorted(os.sched_getaffinity(0))[:2][::-1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_PLACES", "KMP_AFFINITY", "GOMP_CPU_AFFINITY", "OMP_NUM_THREADS")}
+    proc = subprocess.run([sys.executable, "-c", PIN_SCRIPT, json.dumps(cpus)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    got = json.loads(lines[0].removeprefix("RESULT "))
+    assert all(len(c) > 1 for c in got["before"]), got  # not pinned before
+    assert got["threads"] == 2 and got["after"] == [[cpus[0]], [cpus[1]]], got
+    assert "CPU 1000000: Invalid argument" in got["error"], got
+
+
 def test_rank_binding_follows_the_planned_lists(monkeypatch):
     from types import SimpleNamespace
 

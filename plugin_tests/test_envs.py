@@ -25,6 +25,7 @@ from cpu_backend import envs, isa
         ("VLLM_CPU_BACKEND_ISA", "sse9"),
         ("VLLM_CPU_BACKEND_LM_HEAD_QUANT", "int4"),
         ("VLLM_CPU_BACKEND_STEP_GRAPHS", "on"),
+        ("VLLM_CPU_BACKEND_WORKER_IN_ENGINE", "yes"),
         # Set but empty: the host would int('') inside its workers.
         ("VLLM_CPU_KVCACHE_SPACE", ""),
         ("VLLM_CPU_NUM_OF_RESERVED_CPU", " "),

@@ -1,12 +1,17 @@
 """Per-worker CPU and memory binding, and the memory-fit check before weights load.
 
-The host's executor starts each worker with `OMP_PLACES`/`OMP_PROC_BIND` (or
-`KMP_AFFINITY`/`GOMP_CPU_AFFINITY`) for the explicit CPU list our platform
-planned (cpu_backend.topology), so the OpenMP runtime pins one thread per CPU.
-Here the worker recomputes the same plan, sets the thread count, falls back to
-`os.sched_setaffinity` when no OpenMP placement was given (a worker started
-outside the host's executor), binds memory to the rank's node with the host's
-`init_cpu_memory_env` op, and reports what the threads are really bound to.
+With several ranks the host's multiprocessing executor starts each worker with
+`OMP_PLACES`/`OMP_PROC_BIND` (or `KMP_AFFINITY`/`GOMP_CPU_AFFINITY`) for the
+explicit CPU list our platform planned (cpu_backend.topology), so the OpenMP
+runtime pins one thread per CPU (the host does this for a single rank too). A
+worker inside an already running process (the engine core with
+VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1, or the caller's with
+VLLM_ENABLE_V1_MULTIPROCESSING=0) finds its OpenMP runtime started before any
+placement could be set: there the pool's threads pin themselves one per CPU
+(our `pin_threads` op, csrc/threads.cpp). Here the
+worker recomputes the plan, sets the thread count, pins, binds memory to the
+rank's node with the host's `init_cpu_memory_env` op, and reports where the
+OpenMP threads really run.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pathlib import Path
 import torch
 from vllm.logger import init_logger
 
-from cpu_backend import topology
+from cpu_backend import ops, topology
 from cpu_backend.worker import memory
 
 logger = init_logger(f"vllm.{__name__}")
@@ -62,8 +67,12 @@ def apply(binding: topology.RankBinding | None) -> None:
     if torch.get_num_threads() != len(binding.cpus):
         torch.set_num_threads(len(binding.cpus))
     if not _placement_from_env():
-        # Threads created from now on inherit the mask (not pinned one-to-one).
+        # Threads started later by this thread inherit its mask: the rank's CPUs
+        # until the pool pins itself (the calling thread is thread 0 of the pool).
+        topology.note_binding(os.sched_getaffinity(0))
         os.sched_setaffinity(0, binding.cpus)
+        ops.load()
+        torch.ops.cpu_backend.pin_threads(list(binding.cpus))
     # The host's CPUWorker already bound memory to the node of this process's
     # first allowed CPU; rebind (the host's op, libnuma membind) only when the
     # rank's main node differs, e.g. a list spanning nodes.
@@ -72,19 +81,17 @@ def apply(binding: topology.RankBinding | None) -> None:
         torch.ops._C.init_cpu_memory_env([binding.node])
 
 
+def omp_thread_cpus() -> list[list[int]]:
+    """Per OpenMP thread of this process's pool, the CPUs it may run on."""
+    ops.load()
+    mask = torch.ops.cpu_backend.thread_affinity()
+    return [row.nonzero().flatten().tolist() for row in mask]
+
+
 def thread_cpus() -> list[int]:
-    """Union of the CPUs every thread of this process may run on, after
-    OpenMP's pool exists (one parallel op starts it)."""
-    torch.ones(1 << 16).sum()
-    cpus: set[int] = set()
-    for status in Path("/proc/self/task").glob("*/status"):
-        try:
-            for line in status.read_text().splitlines():
-                if line.startswith("Cpus_allowed_list:"):
-                    cpus.update(topology.parse_cpu_list(line.split(":", 1)[1]))
-        except OSError:
-            continue  # a thread that just ended
-    return sorted(cpus)
+    """Union of the CPUs the OpenMP threads (the ones that run the model) may
+    run on."""
+    return sorted({cpu for cpus in omp_thread_cpus() for cpu in cpus})
 
 
 def log_binding(rank: int, local_rank: int, binding: topology.RankBinding | None) -> None:

@@ -170,6 +170,8 @@ class CpuBackendWorker(CPUWorker):
             "worker": type(self).__qualname__,
             "bound_cpus": list(self.cpu_binding.cpus) if self.cpu_binding else None,
             "thread_cpus": cpu_binding.thread_cpus(),
+            "omp_thread_cpus": cpu_binding.omp_thread_cpus(),
+            "pid": os.getpid(),
             "torch_threads": torch.get_num_threads(),
             "communicator": _tp_communicator_name(),
             "model_runner": type(self.model_runner).__qualname__,
