@@ -47,6 +47,7 @@ logger = init_logger(f"vllm.{__name__}")
 ATTENTION_BACKEND_NAME = "CPU_BACKEND_ATTN"
 ATTENTION_BACKEND_QUALNAME = "cpu_backend.attention.backend.CpuBackendAttentionBackend"
 WORKER_QUALNAME = "cpu_backend.worker.cpu_worker.CpuBackendWorker"
+THREAD_EXECUTOR_QUALNAME = "cpu_backend.worker.thread_executor.WorkerThreadExecutor"
 DEFAULT_BLOCK_SIZE = 64
 BLOCK_SIZE_MULTIPLE = 16
 
@@ -189,14 +190,23 @@ class CpuBackendPlatform(CpuPlatform):
 
 def _keep_worker_in_engine_process(parallel_config) -> None:
     """`VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1`, one rank: the worker runs in the
-    engine-core process (vLLM's `uni` executor), which the host replaces by a
-    separate worker process because OpenMP placement must be in the environment
-    before a process starts. Ours pins the running pool instead
-    (cpu_backend.worker.binding). Saves the second process's start-up (an import
-    of vLLM) and the per-step message queue; loses the overlap of scheduling
-    with the forward pass that async scheduling gets across two processes
-    (figures in docs/threads_and_tp.md), hence opt-in."""
-    parallel_config.distributed_executor_backend = "uni"
+    engine-core process, which the host replaces by a separate worker process
+    because OpenMP placement must be in the environment before a process
+    starts; ours pins the running pool instead (cpu_backend.worker.binding).
+    Saves the second process's start-up (an import of vLLM) and the per-step
+    message queue. Which thread runs it (figures in docs/threads_and_tp.md):
+    - the worker bound to every CPU the process may use: a thread of its own
+      (our WorkerThreadExecutor), so async scheduling still overlaps the
+      engine's scheduling with the forward pass;
+    - CPUs left over for the frontend (`auto`): the engine's own thread (vLLM's
+      `uni` executor); a second thread there only fights the first for the GIL
+      and the frontend for its CPU."""
+    from cpu_backend import topology
+
+    topo = topology.discover()
+    plan = topology.plan_from_env(1, topo)
+    takes_every_cpu = not plan.ranks or set(plan.ranks[0].cpus) >= topo.allowed
+    parallel_config.distributed_executor_backend = THREAD_EXECUTOR_QUALNAME if takes_every_cpu else "uni"
     # What the host's executor gives an Intel OpenMP worker, for this process's
     # children (the engine core reads them when its runtime starts).
     os.environ.setdefault("KMP_BLOCKTIME", "5")
@@ -306,6 +316,11 @@ def _size_kv_cache(vllm_config: VllmConfig) -> None:
 _logged = False
 
 
+def _executor_name(backend) -> str:
+    """'mp', 'uni', or an executor class's name (given as a class or qualname)."""
+    return getattr(backend, "__name__", str(backend)).rsplit(".", 1)[-1]
+
+
 def _log_choice_once(vllm_config: VllmConfig) -> None:
     global _logged
     if _logged:
@@ -318,7 +333,7 @@ def _log_choice_once(vllm_config: VllmConfig) -> None:
         CpuBackendPlatform.__name__,
         ATTENTION_BACKEND_NAME,
         vllm_config.parallel_config.worker_cls.rsplit(".", 1)[-1],
-        vllm_config.parallel_config.distributed_executor_backend,
+        _executor_name(vllm_config.parallel_config.distributed_executor_backend),
         isa.describe(),
         vllm_config.cache_config.block_size,
         vllm_config.compilation_config.mode.name

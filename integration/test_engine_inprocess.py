@@ -5,8 +5,9 @@
   worker keeps its bound thread count through start-up, so the model runs on
   every bound CPU, one OpenMP thread pinned per CPU.
 - `LLM(...)` with `VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1`: the worker runs inside
-  the engine-core process (no separate worker process), with the same
-  pinning, and gives the same tokens."""
+  the engine-core process (no separate worker process), on a thread of its own
+  when it is bound to every CPU (so async scheduling still overlaps), with the
+  same pinning, and gives the same tokens."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import sys
 import psutil
 import pytest
 
+from cpu_backend.worker.thread_executor import THREAD_NAME
 from integration.conftest import greedy, report, running_llm
 from integration.server import _env
 
@@ -68,5 +70,6 @@ def test_single_rank_worker_pins_its_threads_in_the_caller_and_in_the_engine_pro
     assert rep["torch_threads"] == len(cpus)
     assert parent == os.getpid() and title.startswith("VLLM::EngineCore"), title
     assert not children, [" ".join(c.cmdline()) for c in children]  # no worker process
+    assert rep["thread"].startswith(THREAD_NAME), rep["thread"]
     assert rep["omp_thread_cpus"] == [[cpu] for cpu in rep["bound_cpus"]], rep
     assert got["tokens"] == list(want.outputs[0].token_ids)

@@ -87,3 +87,21 @@ def test_rank_binding_follows_the_planned_lists(monkeypatch):
     assert binding.rank_binding(cfg, 0) is None
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", str(cpus[0]))
     assert binding.rank_binding(SimpleNamespace(data_parallel_size=2, local_world_size=1), 0) is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+@pytest.mark.parametrize("bind, executor", [
+    ("all", "cpu_backend.worker.thread_executor.WorkerThreadExecutor"),  # no CPU of its own for the engine
+    ("auto", "uni"),  # one CPU left to the frontend: the worker on the engine's thread
+])
+def test_worker_in_engine_runs_on_its_own_thread_only_when_bound_to_every_cpu(bind, executor, monkeypatch):
+    from types import SimpleNamespace
+
+    from cpu_backend import platform
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
+    for name in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "KMP_BLOCKTIME", "KMP_TPAUSE"):
+        monkeypatch.delenv(name, raising=False)  # restored afterwards
+    parallel_config = SimpleNamespace(distributed_executor_backend="uni")
+    platform._keep_worker_in_engine_process(parallel_config)
+    assert parallel_config.distributed_executor_backend == executor

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import torch
 from vllm.config import VllmConfig
@@ -172,6 +173,7 @@ class CpuBackendWorker(CPUWorker):
             "thread_cpus": cpu_binding.thread_cpus(),
             "omp_thread_cpus": cpu_binding.omp_thread_cpus(),
             "pid": os.getpid(),
+            "thread": threading.current_thread().name,
             "torch_threads": torch.get_num_threads(),
             "communicator": _tp_communicator_name(),
             "model_runner": type(self.model_runner).__qualname__,
