@@ -17,7 +17,8 @@ e2e_w8a8_avx_vnni.md. `--isa` forces our library only (not the host's).
 
 Model: integration/models.qwen25_05b_shape (Qwen2.5-0.5B's shape, random bf16
 weights, tied LM head in bf16), W8A8 dynamic per-token symmetric written once
-by `cpu_backend.tools.quantize`. Each variant: LLM(dtype=bfloat16), one warm-up
+by `cpu_backend.tools.quantize` (ours runs its LM head on an int8 copy, the
+default for quantized checkpoints). Each variant: LLM(dtype=bfloat16), one warm-up
 batch, then `--repeat` timed batches of `--prompts` prompts (`--prompt-len`
 random tokens each) generating `--tokens` tokens; throughput = generated
 tokens / wall time, and total (prompt + generated) tokens / wall time; medians.

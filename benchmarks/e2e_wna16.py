@@ -1,7 +1,8 @@
 """End to end: batch-1 decode of an int4 GPTQ checkpoint vs the bf16 model, on
 our plugin (one fresh subprocess per variant), each with its LM head in bf16
-and with `VLLM_CPU_BACKEND_LM_HEAD_QUANT=int8`; the int4 model both W4A16
-(`VLLM_CPU_INT4_W4A8=0`: bf16 activations) and W4A8 (the default: int8
+(`VLLM_CPU_BACKEND_LM_HEAD_QUANT=none`, the bf16 model's default) and as an
+int8 copy (`int8`, the quantized checkpoint's default); the int4 model both
+W4A16 (`VLLM_CPU_INT4_W4A8=0`: bf16 activations) and W4A8 (the default: int8
 activations per 32 inputs).
 
     .venv/bin/python -m benchmarks.e2e_wna16 [--isa avx2|avx512|portable] [--tokens 64] [--repeat 3]
@@ -110,10 +111,11 @@ def main() -> None:
 
     bandwidth = [statistics.median(memory_bandwidth())]
     rows = []
-    variants = [("bf16", bf16, "none", "1"), ("bf16, int8 LM head", bf16, "int8", "1")]
+    variants = [("bf16 (default)", bf16, "none", "1"), ("bf16, int8 LM head", bf16, "int8", "1")]
     for w4a8, label in (("0", "W4A16"), ("1", "W4A8")):
-        variants += [(f"gptq int4 g128 {label}", int4, "none", w4a8),
-                     (f"gptq int4 g128 {label}, int8 LM head", int4, "int8", w4a8)]
+        default = " (default)" if w4a8 == "1" else ""
+        variants += [(f"gptq int4 g128 {label}, bf16 LM head", int4, "none", w4a8),
+                     (f"gptq int4 g128 {label}, int8 LM head{default}", int4, "int8", w4a8)]
     for name, model, head, w4a8 in variants:
         env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", **os.environ, "VLLM_CPU_BACKEND_ISA": a.isa,
                "VLLM_CPU_BACKEND_LM_HEAD_QUANT": head, "VLLM_CPU_INT4_W4A8": w4a8,

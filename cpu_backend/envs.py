@@ -21,7 +21,7 @@ SGL_KERNEL = "VLLM_CPU_SGL_KERNEL"
 BACKEND_ISA = "VLLM_CPU_BACKEND_ISA"
 # Ours: run an unquantized LM head on an int8 copy of its weight.
 LM_HEAD_QUANT = "VLLM_CPU_BACKEND_LM_HEAD_QUANT"
-LM_HEAD_QUANT_CHOICES = ("none", "int8")
+LM_HEAD_QUANT_CHOICES = ("auto", "none", "int8")
 # Ours: replay small steps from captured graphs (cpu_backend.worker.step_graphs), default 1.
 STEP_GRAPHS = "VLLM_CPU_BACKEND_STEP_GRAPHS"
 # Ours: run a single rank's worker inside the engine-core process, default 0.
@@ -166,8 +166,9 @@ def worker_in_engine() -> bool:
 
 
 def lm_head_quant() -> str:
-    """`VLLM_CPU_BACKEND_LM_HEAD_QUANT`: 'none' (default) or 'int8'."""
-    value = (_raw(LM_HEAD_QUANT) or "none").lower()
+    """`VLLM_CPU_BACKEND_LM_HEAD_QUANT`: 'auto' (default: int8 for quantized
+    checkpoints, see cpu_backend.quantization.lm_head.resolve_mode), 'none' or 'int8'."""
+    value = (_raw(LM_HEAD_QUANT) or "auto").lower()
     if value not in LM_HEAD_QUANT_CHOICES:
         raise EnvError(LM_HEAD_QUANT, os.environ[LM_HEAD_QUANT], f"one of {list(LM_HEAD_QUANT_CHOICES)}")
     return value

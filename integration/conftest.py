@@ -67,8 +67,38 @@ def perplexity_token_ids(smollm2) -> list[int]:
 
 
 @pytest.fixture(scope="session")
+def smollm2_gptq4(smollm2, tmp_path_factory) -> str:
+    """SmolLM2-135M-Instruct as GPTQ 4-bit g64 sym (`cpu_backend.tools.quantize`)."""
+    from cpu_backend.tools.quantize import quantize_checkpoint
+
+    out = tmp_path_factory.mktemp("gptq4") / "smollm2-gptq4-g64"
+    quantize_checkpoint(smollm2, out, "gptq", 4, 64, True)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def smollm2_bf16(model_root):
     return str(models.smollm2(model_root, dtype="bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def worker_in_engine():
+    """For a module's engines: the worker in the engine-core process
+    (VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1), one process start fewer per engine;
+    the same kernels run. Modules that test the process layout, serving or
+    tensor parallelism keep the default."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_CPU_BACKEND_WORKER_IN_ENGINE", "1")
+        yield
+
+
+@pytest.fixture
+def exact_lm_head(monkeypatch):
+    """The LM head on the checkpoint's own weights. Quantized checkpoints get an
+    int8 copy of it by default (VLLM_CPU_BACKEND_LM_HEAD_QUANT=auto), which a
+    reference built from the dequantized weights does not have; what that
+    copy costs is bounded in integration/test_engine_lm_head_quant.py."""
+    monkeypatch.setenv("VLLM_CPU_BACKEND_LM_HEAD_QUANT", "none")
 
 
 @contextlib.contextmanager

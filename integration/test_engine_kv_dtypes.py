@@ -26,6 +26,9 @@ import pytest
 
 from integration.conftest import greedy, report, running_llm
 
+# 13 engines: each one process start fewer with the worker in the engine core.
+pytestmark = pytest.mark.usefixtures("worker_in_engine")
+
 QUANTIZED = ["fp8_e5m2", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head"]
 CONTINUATION = 320
 PROMPT = "Once upon a time, there was a little girl named Lily who"
@@ -45,15 +48,6 @@ ACCURACY_BOUNDS = {
     "int8_per_token_head": (0.98, 0.5),
     "fp8_per_token_head": (0.98, 1.0),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def worker_in_engine():
-    """Engines here run their worker in the engine-core process: one process
-    start fewer for each of this module's 13 engines (the kernels are the same)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_BACKEND_WORKER_IN_ENGINE", "1")
-        yield
 
 
 def _prompts(lengths, seed):

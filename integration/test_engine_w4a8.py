@@ -1,7 +1,8 @@
 """W4A8 (`VLLM_CPU_INT4_W4A8`, the host's flag, default on) end to end on a real
 model: SmolLM2-135M-Instruct quantized by `cpu_backend.tools.quantize` (GPTQ
 4-bit g64 sym), in bf16, its 4-bit linears fed int8 activations (per 32
-inputs) vs bf16 activations (`VLLM_CPU_INT4_W4A8=0`), same checkpoint.
+inputs) vs bf16 activations (`VLLM_CPU_INT4_W4A8=0`), same checkpoint, both
+with the LM head a quantized checkpoint gets by default (its int8 copy).
 
 From vLLM's prompt logprobs over the fixed text (integration/data/perplexity_text.txt,
 first 1000 tokens, so prefill runs W4A8 too): perplexity ratio W4A8 / W4A16,
@@ -18,19 +19,12 @@ import pytest
 
 from integration.conftest import prompt_logprobs, report, running_llm, summary
 
+pytestmark = pytest.mark.usefixtures("worker_in_engine")
+
 DECIDED_NATS = 0.5
 # measured (2026-12-01 10:10 UTC): x0.9965 (11.124 vs 11.163), top-1 462 of 462
 MAX_RATIO = 1.03
 MIN_SAME = 0.97
-
-
-@pytest.fixture(scope="module")
-def gptq4(smollm2, tmp_path_factory):
-    from cpu_backend.tools.quantize import quantize_checkpoint
-
-    out = tmp_path_factory.mktemp("w4a8") / "smollm2-gptq4-g64"
-    quantize_checkpoint(smollm2, out, "gptq", 4, 64, True)
-    return str(out)
 
 
 def run(model: str, token_ids: list[int], w4a8: str) -> tuple[dict, dict]:
@@ -46,9 +40,9 @@ def run(model: str, token_ids: list[int], w4a8: str) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-def test_w4a8_perplexity_close_to_w4a16(gptq4, perplexity_token_ids, record_property):
-    w4a16, rep16 = run(gptq4, perplexity_token_ids, "0")
-    w4a8, rep8 = run(gptq4, perplexity_token_ids, "1")
+def test_w4a8_perplexity_close_to_w4a16(smollm2_gptq4, perplexity_token_ids, record_property):
+    w4a16, rep16 = run(smollm2_gptq4, perplexity_token_ids, "0")
+    w4a8, rep8 = run(smollm2_gptq4, perplexity_token_ids, "1")
     assert rep16["wna16_int8_act_layers"] == 0
     assert rep8["wna16_int8_act_layers"] == 30 * 4  # every decoder linear (qkv, o, gate_up, down)
     assert rep8["wna16_linear_calls"] > 0

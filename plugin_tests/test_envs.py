@@ -64,8 +64,9 @@ def test_step_graphs_flag(monkeypatch):
 
 def test_lm_head_quant(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_BACKEND_LM_HEAD_QUANT", raising=False)
-    assert envs.lm_head_quant() == "none"
-    for value, mode in (("int8", "int8"), (" INT8 ", "int8"), ("none", "none"), ("", "none")):
+    assert envs.lm_head_quant() == "auto"
+    for value, mode in (("int8", "int8"), (" INT8 ", "int8"), ("none", "none"), ("", "auto"),
+                        ("Auto", "auto")):
         monkeypatch.setenv("VLLM_CPU_BACKEND_LM_HEAD_QUANT", value)
         assert envs.lm_head_quant() == mode
 

@@ -60,3 +60,14 @@ def test_unknown_mode_is_refused():
 
     with pytest.raises(ValueError, match="int4"):
         lm_head.quantize_head(torch.zeros(16, 32), "int4")
+
+
+def test_auto_quantizes_the_head_of_quantized_checkpoints_only():
+    from types import SimpleNamespace
+
+    quantized = SimpleNamespace()  # any quantization config: the model is quantized
+    assert lm_head.resolve_mode("auto", None) == "none"
+    assert lm_head.resolve_mode("auto", quantized) == "int8"
+    for setting in ("none", "int8"):  # an explicit setting wins either way
+        assert lm_head.resolve_mode(setting, None) == setting
+        assert lm_head.resolve_mode(setting, quantized) == setting

@@ -93,21 +93,25 @@ class CpuBackendLMHeadMethod(_PackedGemm, host_vocab.UnquantizedEmbeddingMethod)
     sampler converts them to float32 anyway (`Sampler.forward`), a separate
     pass that took 8 ms per step for 64 sequences x 151936 (Qwen2.5-0.5B
     shape), and logits rounded to bf16 first tie where float32 does not.
-    With `VLLM_CPU_BACKEND_LM_HEAD_QUANT=int8` the GEMM runs on an int8
-    copy instead of a packed one (cpu_backend/quantization/lm_head.py)."""
+    For quantized checkpoints (and with `VLLM_CPU_BACKEND_LM_HEAD_QUANT=int8`)
+    the GEMM runs on an int8 copy instead of a packed one
+    (cpu_backend/quantization/lm_head.py)."""
 
     keeps_original_weight = True
     out_dtype = torch.float32
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        mode = envs.lm_head_quant()
+        setting = envs.lm_head_quant()
+        mode = lm_head.resolve_mode(setting, getattr(layer, "quant_config", None))
         if mode == "none" or not _packable(layer):
             super().process_weights_after_loading(layer)
             return
         layer.cpu_backend_lm_head = lm_head.quantize_head(layer.weight.data, mode)
-        logger.info_once("cpu_backend: LM head %s logits run on an %s copy (%.0f MB; %s)",
+        logger.info_once("cpu_backend: LM head %s logits run on an %s copy (%.0f MB; %s=%s%s)",
                          tuple(layer.weight.shape), mode, layer.cpu_backend_lm_head.nbytes() / 1e6,
-                         envs.LM_HEAD_QUANT)
+                         envs.LM_HEAD_QUANT, setting,
+                         ": the checkpoint is quantized; 'none' keeps its head"
+                         if setting == "auto" else "")
 
     def apply(self, layer, x, bias=None):
         head = getattr(layer, "cpu_backend_lm_head", None)

@@ -1,4 +1,4 @@
-"""Opt-in int8 copy of an unquantized LM head (`VLLM_CPU_BACKEND_LM_HEAD_QUANT=int8`).
+"""int8 copy of an unquantized LM head (`VLLM_CPU_BACKEND_LM_HEAD_QUANT`).
 
 Batch-1 decode reads every weight once per token, and the LM head of a small
 model with a large vocabulary is a large share of those bytes: Qwen2.5-0.5B's
@@ -10,9 +10,14 @@ head cannot be, in GPTQ/AWQ), so `CpuBackendLMHeadMethod`
 (symmetric, one scale per vocabulary row): half the bytes of bf16.
 
 The original weight stays for the embedding lookup of tied models. Lossy
-(each weight moves by up to half a quantization step), so off by default.
+(each weight moves by up to half a quantization step), so by default (`auto`)
+only checkpoints that are quantized already get it: their user chose smaller
+weights over exact ones, and there the head is most of what is left to read
+(llama.cpp's 4-bit files keep the output matrix at 6 bits for the same
+reason). Unquantized models keep their head unless `int8` is asked for.
 Measured on SmolLM2-135M-Instruct: perplexity x0.997 and the same top-1 at
-every position the bf16 head decides (integration/test_engine_lm_head_quant.py).
+every position the bf16 head decides, in bf16 and as GPTQ 4-bit
+(integration/test_engine_lm_head_quant.py).
 An int4 copy (groups of 64) cost it x1.13 perplexity and 11% of those
 top-1s, for 4% more decode speed than int8 on the Qwen2.5-0.5B shape, so
 there is none.
@@ -54,6 +59,14 @@ class QuantizedHead:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zs))
+
+
+def resolve_mode(setting: str, quant_config) -> str:
+    """The head's mode from the variable's value ('auto', 'none', 'int8') and
+    the model's quantization config (None for an unquantized checkpoint)."""
+    if setting == "auto":
+        return "none" if quant_config is None else "int8"
+    return setting
 
 
 def quantize_head(weight: torch.Tensor, mode: str) -> QuantizedHead:

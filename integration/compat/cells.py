@@ -351,6 +351,8 @@ def _engine_for(group: str, folder: str, arch, ref: Reference):
     else:
         raise ValueError(group)
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if group == "tp2" else {}
+    if group in QUANT:  # the reference's LM head is the checkpoint's, not our int8 copy
+        env["VLLM_CPU_BACKEND_LM_HEAD_QUANT"] = "none"
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
