@@ -175,6 +175,36 @@ def summary(logprobs: list[dict], token_ids: list[int]) -> dict:
     return {"ppl": math.exp(sum(nll) / len(nll)), "tops": tops}
 
 
+def logprob_run(model: str, token_ids: list[int], env: dict[str, str | None]) -> tuple[dict, dict]:
+    """`summary` of a bf16 engine's prompt logprobs over `token_ids`, and its worker
+    report, with `env` set for the engine (None: variable unset)."""
+    from cpu_backend.quantization import register
+
+    register()  # what the vllm.general_plugins entry point does when installed
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            if value is None:
+                mp.delenv(name, raising=False)
+            else:
+                mp.setenv(name, value)
+        with running_llm(model, dtype="bfloat16") as llm:
+            return summary(prompt_logprobs(llm, token_ids), token_ids), report(llm)
+
+
+# Positions where the reference's top-1 leads its top-2 by at least this many
+# nats: closer calls are near-ties that any rounding may flip.
+DECIDED_NATS = 0.5
+
+
+def closeness(got: dict, ref: dict) -> tuple[float, float, int]:
+    """(perplexity ratio got / ref, top-1 agreement at the positions ref decides,
+    how many those are) of two `summary` results; ref decides at least a quarter."""
+    decided = [i for i, (_, lead) in enumerate(ref["tops"]) if lead >= DECIDED_NATS]
+    assert len(decided) >= (len(ref["tops"]) + 1) // 4
+    same = sum(got["tops"][i][0] == ref["tops"][i][0] for i in decided) / len(decided)
+    return got["ppl"] / ref["ppl"], same, len(decided)
+
+
 def report(llm) -> dict:
     """What the (single) worker ran: see CpuBackendWorker.cpu_backend_report."""
     (rep,) = llm.collective_rpc("cpu_backend_report")

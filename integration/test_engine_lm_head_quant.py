@@ -9,7 +9,7 @@ weights, same engine otherwise:
 From vLLM's prompt logprobs over a fixed text (integration/data/perplexity_text.txt,
 first 1000 tokens): perplexity ratio to the exact head, and top-1 agreement at
 the positions the exact head decides (its top-1 leads its top-2 by >= 0.5
-nats; closer calls are near-ties that any rounding may flip). Bounds from the
+nats: `closeness` in integration/conftest.py). Bounds from the
 figures measured when this was written (docs/quantization.md), with margin.
 """
 
@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from integration.conftest import prompt_logprobs, report, running_llm, summary
+from integration.conftest import closeness, logprob_run
 
-DECIDED_NATS = 0.5
 # measured: bf16 x0.9969, 497 of 497 (2026-12-01 02:11 UTC); GPTQ 4-bit: see
 # docs/quantization.md#int8-lm-head
 MAX_RATIO = 1.005
@@ -30,27 +29,15 @@ pytestmark = pytest.mark.usefixtures("worker_in_engine")
 
 def run(model: str, token_ids: list[int], mode: str | None) -> tuple[dict, dict]:
     """(logprob summary, worker report) with the variable set to `mode` (None: unset)."""
-    from cpu_backend.quantization import register
-
-    register()  # what the vllm.general_plugins entry point does when installed
-    with pytest.MonkeyPatch.context() as mp:
-        if mode is None:
-            mp.delenv("VLLM_CPU_BACKEND_LM_HEAD_QUANT", raising=False)
-        else:
-            mp.setenv("VLLM_CPU_BACKEND_LM_HEAD_QUANT", mode)
-        with running_llm(model, dtype="bfloat16") as llm:
-            return summary(prompt_logprobs(llm, token_ids), token_ids), report(llm)
+    return logprob_run(model, token_ids, {"VLLM_CPU_BACKEND_LM_HEAD_QUANT": mode})
 
 
-def assert_close(name: str, int8: dict, exact: dict, n_tokens: int, record_property) -> None:
-    decided = [i for i, (_, lead) in enumerate(exact["tops"]) if lead >= DECIDED_NATS]
-    assert len(decided) >= n_tokens // 4
-    same = sum(int8["tops"][i][0] == exact["tops"][i][0] for i in decided) / len(decided)
-    ratio = int8["ppl"] / exact["ppl"]
+def assert_close(name: str, int8: dict, exact: dict, record_property) -> None:
+    ratio, same, decided = closeness(int8, exact)
     record_property("lm_head_quant", {"model": name, "ppl": int8["ppl"], "exact": exact["ppl"],
-                                      "decided": len(decided), "agreement": same})
+                                      "decided": decided, "agreement": same})
     print(f"\n{name}, int8 LM head: perplexity {int8['ppl']:.4f} vs exact head {exact['ppl']:.4f} "
-          f"(x{ratio:.4f}); top-1 agreement {same:.4f} at {len(decided)} decided positions")
+          f"(x{ratio:.4f}); top-1 agreement {same:.4f} at {decided} decided positions")
     assert 1 / MAX_RATIO < ratio < MAX_RATIO
     assert same >= MIN_SAME
 
@@ -62,7 +49,7 @@ def test_int8_head_on_bf16_model_only_when_asked(smollm2, perplexity_token_ids, 
     assert rep_exact["lm_head_quant"] == ["none"]  # auto: an unquantized checkpoint keeps its head
     assert rep_int8["lm_head_quant"] == ["int8"]
     assert rep_int8["linear_methods"] == ["CpuBackendLMHeadMethod", "CpuBackendLinearMethod"]
-    assert_close("bf16", int8, exact, len(perplexity_token_ids), record_property)
+    assert_close("bf16", int8, exact, record_property)
 
 
 @pytest.mark.slow
@@ -73,4 +60,4 @@ def test_quantized_checkpoint_gets_int8_head_by_default(smollm2_gptq4, perplexit
     assert rep_int8["lm_head_quant"] == ["int8"]
     assert rep_exact["lm_head_quant"] == ["none"]
     assert rep_int8["linear_methods"] == ["CpuBackendLMHeadMethod", "WNA16LinearMethod"]
-    assert_close("GPTQ 4-bit g64", int8, exact, len(perplexity_token_ids), record_property)
+    assert_close("GPTQ 4-bit g64", int8, exact, record_property)
