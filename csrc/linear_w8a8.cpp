@@ -67,12 +67,8 @@ void quantize_row(const XT* x, int64_t K, int64_t Kp, const ActQuant& aq, uint8_
   float s = aq.scale;
   int32_t zp = aq.zp;
   if (aq.dynamic) {
-    float mn = to_f32(x[0]), mx = mn;
-    for (int64_t k = 1; k < K; ++k) {
-      const float v = to_f32(x[k]);
-      mn = std::min(mn, v);
-      mx = std::max(mx, v);
-    }
+    float mn, mx;
+    min_max(x, K, &mn, &mx);
     zp = 0;
     if (!aq.symmetric) {
       mn = std::min(mn, 0.0f);  // 0 stays representable (compressed-tensors' rule),

@@ -349,18 +349,26 @@ void pack_rows_a8(const XT* x, int64_t ldx, int64_t M, const KLayout& l, const i
     for (int64_t g = 0; g < l.G; ++g) {
       float t = 0.0f;
       for (int64_t u = g * l.gs / kU4S8Inputs; u < (g + 1) * l.gs / kU4S8Inputs; ++u) {
-        float v[kU4S8Inputs];
-        float amax = 0.0f;
-        for (int j = 0; j < kU4S8Inputs; ++j) {
-          const int64_t k = u * kU4S8Inputs + j;
-          v[j] = to_f32(perm ? src[perm[k]] : src[k]);
-          amax = std::max(amax, std::fabs(v[j]));
+        const int64_t k0 = u * kU4S8Inputs;
+        Vec v0, v1;
+        if (perm) {
+          alignas(64) float v[kU4S8Inputs];
+          for (int j = 0; j < kU4S8Inputs; ++j) v[j] = to_f32(src[perm[k0 + j]]);
+          v0 = Vec::load(v);
+          v1 = Vec::load(v + 16);
+        } else {
+          v0 = Vec::load(src + k0);
+          v1 = Vec::load(src + k0 + 16);
         }
-        const float scale = int8_sym_scale(amax);
+        const float scale = int8_sym_scale(max(v0.abs(), v1.abs()).reduce_max());
+        const Vec sv = Vec::broadcast(scale);
+        alignas(64) float qf[kU4S8Inputs];
+        quantize_sym(v0, sv).store(qf);
+        quantize_sym(v1, sv).store(qf + 16);
         int8_t qv[kU4S8Inputs];
         int32_t qsum = 0;
         for (int j = 0; j < kU4S8Inputs; ++j) {
-          qv[j] = int8_t(clamp_q(std::nearbyint(v[j] / scale)));
+          qv[j] = int8_t(int32_t(qf[j]));
           qsum += qv[j];
         }
         for (int b = 0; b < kU4S8Blocks; ++b) {

@@ -102,6 +102,32 @@ def test_integer_indexing_is_recorded():
 
 
 @torch.inference_mode()
+def test_views_that_change_nothing_are_not_replayed():
+    """view(x, x.shape) and detach(x) read as x itself; real views and an
+    in-place kernel writing through an elided view still replay like eager."""
+    weight = torch.rand(HIDDEN) + 0.5
+
+    def step(input_ids, positions):
+        x = torch.empty(input_ids.shape[0], HIDDEN).detach()          # elided detach
+        torch.mul(positions[:, None].float(), weight, out=x)
+        same = x.view(-1, HIDDEN).reshape(input_ids.shape[0], HIDDEN)  # two elided views
+        residual = input_ids[:, None].float().expand(-1, HIDDEN).contiguous()
+        torch.ops.cpu_backend.fused_add_rms_norm(same, residual, weight, 1e-6)
+        return x.view(-1, 4, HIDDEN // 4), residual                   # a real view
+
+    output, graph = StepGraph.record(step, *inputs(3, seed=1))
+    assert "aten::detach" not in graph.op_counts and "aten::reshape" not in graph.op_counts
+    assert graph.op_counts["aten::view"] == 1, graph.op_counts
+    assert graph.op_counts["aten::empty.memory_format"] == 1
+    assert torch.Tensor.view in graph.run.__globals__.values()  # the parser path, not the boxed op
+    for seed in (2, 3):
+        ids, pos = inputs(3, seed)
+        want, got = step(ids, pos), graph.run(ids, pos)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert got[0].shape == (3, 4, HIDDEN // 4)
+
+
+@torch.inference_mode()
 def test_step_graphs_capture_each_token_count_once_and_replay_it():
     module = TinyStep()
     graphs = StepGraphs(module, max_tokens=8)

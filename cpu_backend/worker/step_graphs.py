@@ -104,6 +104,12 @@ class _Recorder(TorchDispatchMode):
                 and not self._reads_step_values((args, kwargs))):
             # A view of a weight (detach, transpose): the same view every step.
             return out
+        if _same_view(func, args, out) and id(args[0]) in self.names:
+            # view(x, x.shape), detach(x)...: x itself serves its readers, one
+            # op fewer per replay (a quarter of a decode step's ops).
+            self.names[id(out)] = self.names[id(args[0])]
+            self.alive.append(out)
+            return out
         lowered = self.lower(func, args, kwargs) if self.lower is not None else None
         if lowered is not None:
             func, args, op_name = lowered
@@ -114,8 +120,7 @@ class _Recorder(TorchDispatchMode):
         call = ", ".join([self._expr(a, read) for a in args]
                          + [f"{k}={self._expr(v, read)}" for k, v in kwargs.items()])
         target = f"v{len(self.lines)}"
-        # An OpOverload's __call__ is one Python frame around its C++ `_op`.
-        callee = func._op if isinstance(func, torch._ops.OpOverload) else func
+        callee = _callee(func)
         self.lines.append((f"{target} = {self._constant(callee)}({call})", read))
         self.op_counts[op_name] += 1
         self.alive.append(out)
@@ -260,6 +265,37 @@ def _shape_depends_on_values(func, args) -> bool:
         return any(isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
                    for index in args[1])
     return True
+
+
+def _fast_calls() -> dict:
+    """Public torch functions that run these ops through the Python argument
+    parser, 1-5 us cheaper per call here than the boxed `_op` path."""
+    aten = torch.ops.aten
+    return {aten.view.default: torch.Tensor.view, aten.empty.memory_format: torch.empty,
+            aten.split_with_sizes.default: torch.split_with_sizes}
+
+
+_FAST_CALLS = _fast_calls()
+
+
+def _callee(func):
+    """What a graph line calls for `func`: an OpOverload's __call__ is one
+    Python frame around its C++ `_op`."""
+    if func in _FAST_CALLS:
+        return _FAST_CALLS[func]
+    return func._op if isinstance(func, torch._ops.OpOverload) else func
+
+
+def _same_view(func, args, out) -> bool:
+    """Whether view op `func` returned a tensor indistinguishable from its
+    input: same memory, shape, strides, dtype (and conjugate / negative bits)."""
+    if not getattr(func, "is_view", False) or not args or not isinstance(out, torch.Tensor):
+        return False
+    base = args[0]
+    return (isinstance(base, torch.Tensor) and out.dtype == base.dtype
+            and out.data_ptr() == base.data_ptr() and out.shape == base.shape
+            and out.stride() == base.stride() and out.is_conj() == base.is_conj()
+            and out.is_neg() == base.is_neg())
 
 
 def _tensors_or_none(value) -> bool:

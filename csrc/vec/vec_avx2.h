@@ -149,6 +149,13 @@ struct VecF32x16 {
     q = _mm_max_ss(q, _mm_movehdup_ps(q));
     return _mm_cvtss_f32(q);
   }
+  CB_ALWAYS_INLINE float reduce_min() const {
+    __m256 s = _mm256_min_ps(lo, hi);
+    __m128 q = _mm_min_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    q = _mm_min_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_min_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+  }
   CB_ALWAYS_INLINE float reduce_add() const {
     __m256 s = _mm256_add_ps(lo, hi);
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));

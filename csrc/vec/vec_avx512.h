@@ -114,6 +114,7 @@ struct VecF32x16 {
   }
   CB_ALWAYS_INLINE float reduce_add() const { return _mm512_reduce_add_ps(v); }
   CB_ALWAYS_INLINE float reduce_max() const { return _mm512_reduce_max_ps(v); }
+  CB_ALWAYS_INLINE float reduce_min() const { return _mm512_reduce_min_ps(v); }
 
  private:
   static CB_ALWAYS_INLINE __m128i load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }

@@ -125,6 +125,11 @@ struct VecF32x16 {
     for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
     return m;
   }
+  CB_ALWAYS_INLINE float reduce_min() const {
+    float m = v[0];
+    for (int i = 1; i < 16; ++i) m = v[i] < m ? v[i] : m;
+    return m;
+  }
   CB_ALWAYS_INLINE float reduce_add() const {
     float s = 0.0f;
     for (int i = 0; i < 16; ++i) s += v[i];
