@@ -49,6 +49,7 @@ SOURCES = [
     "csrc/registration.cpp",
     "csrc/linear_w8a8.cpp",
     "csrc/activation.cpp",
+    "csrc/argmax.cpp",
     "csrc/rotary.cpp",
     "csrc/threads.cpp",  # OpenMP thread pinning (ISA-independent)
 ]

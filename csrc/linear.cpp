@@ -362,20 +362,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t 
 
   // bias -> fp32, zero padded to whole panels
   at::Tensor bias_f32;
-  if (bias.has_value() && bias->defined()) {
-    const at::Tensor& b = *bias;
-    TORCH_CHECK(b.device().is_cpu() && b.dim() == 1 && b.size(0) == n,
-                "cpu_backend::linear: bias must be a CPU tensor [", n, "], got ", b.sizes());
-    bias_f32 = at::empty({pw.size(0) * kNR}, x.options().dtype(at::kFloat));
-    float* bp = bias_f32.mutable_data_ptr<float>();
-    const at::Tensor bc = b.contiguous();
-    dispatch_float(bc.scalar_type(), "bias", [&](auto tag) {
-      using BT = typename decltype(tag)::type;
-      const BT* src = static_cast<const BT*>(bc.const_data_ptr());
-      for (int64_t j = 0; j < n; ++j) bp[j] = to_f32(src[j]);
-    });
-    std::fill(bp + n, bp + pw.size(0) * kNR, 0.0f);
-  }
+  if (bias.has_value() && bias->defined()) bias_f32 = padded_f32("cpu_backend::linear", *bias, n, pw.size(0) * kNR);
   const float* bias_ptr = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
 
   // x as [M, K] rows with unit stride along K

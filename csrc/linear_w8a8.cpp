@@ -237,12 +237,9 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (qa.M == 0) return out;
-  at::Tensor bias_f32 = at::zeros({P * kNR}, x.options().dtype(at::kFloat));
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [", n, "], got ", bias->sizes());
-    bias_f32.narrow(0, 0, n).copy_(*bias);
-  }
-  const float* bp = bias_f32.const_data_ptr<float>();
+  at::Tensor bias_f32;
+  if (bias.has_value() && bias->defined()) bias_f32 = padded_f32(op, *bias, n, P * kNR);
+  const float* bp = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
   const float* ws = w_scale.const_data_ptr<float>();
   const int32_t* wsm = wsum.const_data_ptr<int32_t>();
   const float* sa = qa.s.const_data_ptr<float>();
@@ -261,7 +258,8 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
                   for (int j = 0; j < kNR; ++j) {
                     f[j] = float(int64_t(tile[m * kNR + j]) - off * wsm[c0 + j]);
                   }
-                  const Vec r = fma(Vec::load(f) * Vec::broadcast(sa[r0 + m]), Vec::load(ws + c0), Vec::load(bp + c0));
+                  const Vec r = fma(Vec::load(f) * Vec::broadcast(sa[r0 + m]), Vec::load(ws + c0),
+                                    bp ? Vec::load(bp + c0) : Vec::zero());
                   OT* dst = o + (r0 + m) * n + c0;
                   if (nn == kNR) {
                     r.store(dst);

@@ -31,7 +31,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -553,11 +552,7 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   if (M == 0) return out;
 
   at::Tensor bias_f32;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [", n, "], got ", bias->sizes());
-    bias_f32 = at::zeros({P * kNR}, x.options().dtype(at::kFloat));
-    bias_f32.narrow(0, 0, n).copy_(*bias);
-  }
+  if (bias.has_value() && bias->defined()) bias_f32 = padded_f32(op, *bias, n, P * kNR);
   const float* bias_ptr = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
 
   at::Tensor x2 = x.reshape({M, K});

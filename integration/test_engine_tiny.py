@@ -51,6 +51,11 @@ def test_our_worker_runner_and_attention_ran(llm):
     # Our native kernels ran: attention and every linear layer (and the LM head).
     assert rep["kernels_isa"] in ("amx", "avx512", "avx_vnni", "avx2", "portable")
     assert rep["attention_native"] == [True]
+    # Greedy sampling ran our argmax (cpu_backend.worker.sampler): one row per
+    # step here (1 prefill + 3 decodes of one request); the tokens it picked
+    # are checked against transformers in the tests below.
+    assert rep["sampler"] == "CpuBackendSampler"
+    assert rep["greedy_rows_sampled"] - first["greedy_rows_sampled"] == 4
     assert rep["linear_methods"] == ["CpuBackendLMHeadMethod", "CpuBackendLinearMethod"]
     for providers in rep["rms_norm_providers"].values():
         assert providers[0] == "cpu_backend"

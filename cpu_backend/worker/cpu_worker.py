@@ -36,6 +36,7 @@ from cpu_backend.quantization import register as register_quantization
 from cpu_backend.worker import binding as cpu_binding
 from cpu_backend.worker import checkpoint_files, memory
 from cpu_backend.worker.model_runner import CpuBackendModelRunner, kv_cache_bytes
+from cpu_backend.worker.sampler import CpuBackendSampler
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -195,6 +196,8 @@ class CpuBackendWorker(CPUWorker):
             ),
             "custom_op_kernel_calls": dict(custom_ops.kernel_calls),
             "step_graphs": self.model_runner.step_graphs_report(),
+            "sampler": type(self.model_runner.sampler).__qualname__,
+            "greedy_rows_sampled": CpuBackendSampler.greedy_rows,
         }
 
     def _memory_report(self, model) -> dict:

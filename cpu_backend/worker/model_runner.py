@@ -10,6 +10,7 @@ The KV cache is allocated on transparent huge pages (`huge_pages`), through
 the host's `kv_cache_allocation_context` argument. Small steps run from
 captured graphs (`step_graphs`), through the host's `_model_forward` hook,
 with the host's attention ops lowered to our kernels (`attention.step_ops`).
+Greedy sampling runs our argmax kernel (`sampler`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from cpu_backend import envs
 from cpu_backend.attention import step_ops
-from cpu_backend.worker import huge_pages, memory
+from cpu_backend.worker import huge_pages, memory, sampler
 from cpu_backend.worker.step_graphs import StepGraphs
 
 logger = init_logger(f"vllm.{__name__}")
@@ -57,6 +58,13 @@ def _on_huge_pages(outer: contextlib.AbstractContextManager | None):
 
 
 class CpuBackendModelRunner(CPUModelRunner):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Not with speculative decoding: its rejection sampler holds the host's.
+        ours = None if self.speculative_config else sampler.replacing(self.sampler)
+        if ours is not None:
+            self.sampler = ours
+
     if _HOST_KV_INIT_PARAMS == ["self", "kv_cache_config", "is_profiling",
                                 "kv_cache_allocation_context"]:
 

@@ -122,6 +122,11 @@ struct VecF32x16 {
   friend CB_ALWAYS_INLINE bool any_lt(VecF32x16 a, VecF32x16 b) {
     return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ))) != 0;
   }
+  // Bit i set where !(a < b) in lane i: a >= b, or either is NaN.
+  friend CB_ALWAYS_INLINE int mask_nlt(VecF32x16 a, VecF32x16 b) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_NLT_UQ)) |
+           (_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_NLT_UQ)) << 8);
+  }
   // Round to the nearest integer (ties to even), as a float.
   CB_ALWAYS_INLINE VecF32x16 round() const {
     constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;

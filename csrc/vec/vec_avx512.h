@@ -98,6 +98,8 @@ struct VecF32x16 {
   }
   // Whether a < b in any lane.
   friend CB_ALWAYS_INLINE bool any_lt(VecF32x16 a, VecF32x16 b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ) != 0; }
+  // Bit i set where !(a < b) in lane i: a >= b, or either is NaN.
+  friend CB_ALWAYS_INLINE int mask_nlt(VecF32x16 a, VecF32x16 b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_NLT_UQ); }
   // Round to the nearest integer (ties to even), as a float.
   CB_ALWAYS_INLINE VecF32x16 round() const {
     return {_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};

@@ -97,6 +97,12 @@ struct VecF32x16 {
     for (int i = 0; i < 16; ++i) r |= a.v[i] < b.v[i];
     return r;
   }
+  // Bit i set where !(a < b) in lane i: a >= b, or either is NaN.
+  friend CB_ALWAYS_INLINE int mask_nlt(VecF32x16 a, VecF32x16 b) {
+    int r = 0;
+    for (int i = 0; i < 16; ++i) r |= int(!(a.v[i] < b.v[i])) << i;
+    return r;
+  }
   // Round to the nearest integer (ties to even in the default rounding mode).
   CB_ALWAYS_INLINE VecF32x16 round() const {
     VecF32x16 r;
