@@ -185,8 +185,10 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
             return None
         from vllm.forward_context import get_forward_context
 
-        write = torch.ops.cpu_backend.write_kv_cache.default
-        attend = torch.ops.cpu_backend.paged_attention.default
+        # The ops' C++ entry points: a step graph calls these 2 x layers times
+        # per step, and OpOverload.__call__ is one Python frame around them.
+        write = torch.ops.cpu_backend.write_kv_cache.default._op
+        attend = torch.ops.cpu_backend.paged_attention.default._op
         kv_format = self.kv_handler.kernel_format
         scale, window = self.scale, int(self.params.window or 0)
         softcap, alibi_slopes = float(self.params.softcap or 0.0), self.params.alibi_slopes
@@ -198,7 +200,9 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
             if slots is not None:
                 layer = context.no_compile_layers[layer_name]
                 k_scale, v_scale = _tensor_scales(layer)
-                write(key, value, layer.kv_cache, slots.long(), kv_format, k_scale, v_scale)
+                if slots.dtype != torch.int64:
+                    slots = slots.long()
+                write(key, value, layer.kv_cache, slots, kv_format, k_scale, v_scale)
 
         def attention(query: torch.Tensor, output: torch.Tensor) -> None:
             context = get_forward_context()
@@ -208,9 +212,10 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
             counter.forward_calls += 1
             layer = context.no_compile_layers[layer_name]
             num_tokens = md.token_req.shape[0]
+            if num_tokens != query.shape[0]:  # padded step
+                output, query = output[:num_tokens], query[:num_tokens]
             k_scale, v_scale = _tensor_scales(layer)
-            attend(output[:num_tokens], query[:num_tokens], layer.kv_cache, md.block_table,
-                   md.token_req, md.token_pos, scale, window, softcap, alibi_slopes,
-                   kv_format, k_scale, v_scale)
+            attend(output, query, layer.kv_cache, md.block_table, md.token_req, md.token_pos,
+                   scale, window, softcap, alibi_slopes, kv_format, k_scale, v_scale)
 
         return kv_cache_update, attention
