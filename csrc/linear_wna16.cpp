@@ -555,20 +555,26 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   if (bias.has_value() && bias->defined()) bias_f32 = padded_f32(op, *bias, n, P * kNR);
   const float* bias_ptr = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
 
-  at::Tensor x2 = x.reshape({M, K});
-  if (K > 1 && x2.stride(1) != 1) x2 = x2.contiguous();
-  const int64_t ldx = x2.stride(0);
+  // x as [M, K] rows with unit stride along K (a contiguous x as it is: no
+  // reshape call per decode-step linear)
+  at::Tensor x2 = x;
+  int64_t ldx = K;
+  if (!x.is_contiguous()) {
+    x2 = x.reshape({M, K});
+    if (K > 1 && x2.stride(1) != 1) x2 = x2.contiguous();
+    ldx = x2.stride(0);
+  }
   const uint8_t* qw = qweight.const_data_ptr<uint8_t>();
   const float* sc = scales.const_data_ptr<float>();
   const float* zp = zs.const_data_ptr<float>();
   if (int8_act) {
     const int64_t C = ceil_div(M, kMRA8);
-    at::Tensor apack = at::empty({C * kMRA8 * K / 4}, x.options().dtype(at::kInt));
-    at::Tensor sx_t = at::empty({C * kMRA8 * (K / kU4S8Inputs)}, x.options().dtype(at::kFloat));
-    at::Tensor asum_t = at::empty({C * kMRA8 * G}, x.options().dtype(at::kFloat));
-    int32_t* ap = apack.mutable_data_ptr<int32_t>();
-    float* sx = sx_t.mutable_data_ptr<float>();
-    float* asum = asum_t.mutable_data_ptr<float>();
+    // One scratch allocation: packed int8 pairs, then the fp32 scales and sums.
+    const int64_t n_ap = C * kMRA8 * K / 4, n_sx = C * kMRA8 * (K / kU4S8Inputs);
+    at::Tensor scratch = at::empty({n_ap + n_sx + C * kMRA8 * G}, x.options().dtype(at::kInt));
+    int32_t* ap = scratch.mutable_data_ptr<int32_t>();
+    float* sx = reinterpret_cast<float*>(ap + n_ap);
+    float* asum = sx + n_sx;
     dispatch_float(x2.scalar_type(), "x", [&](auto tag) {
       using XT = typename decltype(tag)::type;
       pack_rows_a8(static_cast<const XT*>(x2.const_data_ptr()), ldx, M, l, perm_ptr, ap, sx, asum);
@@ -589,11 +595,12 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   KLayout xl = l;  // the dense kernel's weights are already dequantized: x unscaled
   if (dense) std::fill(std::begin(xl.xs), std::end(xl.xs), 1.0f);
   const int64_t C = ceil_div(M, chunk);
-  at::Tensor apack = at::empty({C * chunk * G * l.gsp}, x.options().dtype(at::kFloat));
-  at::Tensor asum_t;  // the zero term's sums of x per group: the dense path has no zero term
-  if (!dense) asum_t = at::empty({C * chunk * G}, x.options().dtype(at::kFloat));
-  float* ap = apack.mutable_data_ptr<float>();
-  float* asum = dense ? nullptr : asum_t.mutable_data_ptr<float>();
+  // One scratch allocation: packed x, then (not on the dense path, which has
+  // no zero term) the sums of x per group.
+  const int64_t n_ap = C * chunk * G * l.gsp;
+  at::Tensor scratch = at::empty({n_ap + (dense ? 0 : C * chunk * G)}, x.options().dtype(at::kFloat));
+  float* ap = scratch.mutable_data_ptr<float>();
+  float* asum = dense ? nullptr : ap + n_ap;
   if (q4_pairs) {
 #if defined(CPU_BACKEND_HAS_DPBF16)
     pack_rows_q4_pairs(static_cast<const bf16_t*>(x2.const_data_ptr()), ldx, M, l, perm_ptr,

@@ -11,7 +11,7 @@ Grid: bits 4/8, group -1/32/64/128, sym/asym, act-order (g_idx) or not,
 M = 1, 3, 13 (over one quantized microkernel), 17 (the dense path of the avx2 and portable
 builds, from 16 rows: several chunks, a partial one), N = 48, 40 and 104 (partial panels), K = 128/256,
 x fp32/bf16/fp16, with and without bias; AWQ 4-bit through the same path (bf16 x, also with
-float32 output, what the LM head asks for; on the odd-K cases too); odd K
+float32 output, what the LM head asks for; on the odd-K cases too; row-strided and transposed x); odd K
 (37, 39, 66 in groups of 33, 6 in groups of 2) against the integer view directly.
 
 W4A8 (int8_act=True): every 4-bit case of the grid above and the AWQ ones
@@ -101,6 +101,13 @@ def _worker() -> dict:
             check(f"awq g{gs} m{m}", x, w_ref, None, lay, 4, 64)
             check(f"awq g{gs} m{m} float32 out", x, w_ref, None, lay, 4, 64, torch.float32)
             check(f"awq W4A8 g{gs} m{m} float32 out", x, w_ref, None, lay, 4, 64, torch.float32, True)
+    # x not contiguous (the last AWQ layout): rows of a wider tensor, a transposed one
+    for m in (1, 17):
+        wide = torch.randn(m, 512, generator=gen).bfloat16()[:, 128:384]
+        transposed = torch.randn(256, m, generator=gen).bfloat16().t()
+        for name, x in (("row-strided", wide), ("transposed", transposed)):
+            for a8 in (False, True):
+                check(f"awq {name} x m{m} W4A8={a8}", x, w_ref, None, lay, 4, 64, None, a8)
     # W4A8: an all-zero block (scale 1), and blocks whose max sits at -max
     w = torch.randn(32, 128, generator=gen) * 0.05
     v = formats.quantize_rtn(w, 4, 64, False)
