@@ -365,10 +365,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t 
   if (bias.has_value() && bias->defined()) bias_f32 = padded_f32("cpu_backend::linear", *bias, n, pw.size(0) * kNR);
   const float* bias_ptr = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
 
-  // x as [M, K] rows with unit stride along K
-  at::Tensor x2 = x.reshape({M, K});
-  if (K > 1 && x2.stride(1) != 1) x2 = x2.contiguous();
-  const int64_t ldx = x2.stride(0);
+  const Rows xr = as_rows(x, M, K);
+  const at::Tensor& x2 = xr.t;
+  const int64_t ldx = xr.ld;
 
   const auto dispatch_out = [&](auto&& run) {
     dispatch_float(out.scalar_type(), "x", [&](auto otag) {

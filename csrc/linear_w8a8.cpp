@@ -210,11 +210,12 @@ Quantized quantize(const char* op, const at::Tensor& x, int64_t K4, std::optiona
   Quantized r{at::empty({M, Kp}, x.options().dtype(at::kByte)), at::empty({M}, x.options().dtype(at::kFloat)),
               at::empty({M}, x.options().dtype(at::kInt)), M, K, Kp};
   if (M == 0) return r;
-  at::Tensor x2 = x.reshape({M, K});
-  if (K > 1 && x2.stride(1) != 1) x2 = x2.contiguous();
+  const Rows xr = as_rows(x, M, K);
+  const at::Tensor& x2 = xr.t;
+  const int64_t ldx = xr.ld;
   dispatch_float(x2.scalar_type(), "x", [&](auto tag) {
     using XT = typename decltype(tag)::type;
-    quantize_rows(static_cast<const XT*>(x2.const_data_ptr()), x2.stride(0), M, K, Kp, aq, xor_mask,
+    quantize_rows(static_cast<const XT*>(x2.const_data_ptr()), ldx, M, K, Kp, aq, xor_mask,
                   r.q.mutable_data_ptr<uint8_t>(), r.s.mutable_data_ptr<float>(), r.zp.mutable_data_ptr<int32_t>());
   });
   return r;

@@ -555,15 +555,9 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   if (bias.has_value() && bias->defined()) bias_f32 = padded_f32(op, *bias, n, P * kNR);
   const float* bias_ptr = bias_f32.defined() ? bias_f32.const_data_ptr<float>() : nullptr;
 
-  // x as [M, K] rows with unit stride along K (a contiguous x as it is: no
-  // reshape call per decode-step linear)
-  at::Tensor x2 = x;
-  int64_t ldx = K;
-  if (!x.is_contiguous()) {
-    x2 = x.reshape({M, K});
-    if (K > 1 && x2.stride(1) != 1) x2 = x2.contiguous();
-    ldx = x2.stride(0);
-  }
+  const Rows xr = as_rows(x, M, K);
+  const at::Tensor& x2 = xr.t;
+  const int64_t ldx = xr.ld;
   const uint8_t* qw = qweight.const_data_ptr<uint8_t>();
   const float* sc = scales.const_data_ptr<float>();
   const float* zp = zs.const_data_ptr<float>();

@@ -9,7 +9,7 @@ Grid: M in {1, 2, 3, 5, 8, 17, 64, 130} x (N, K) in {(1, 16), (17, 33),
 (64, 576), (1536, 576), (576, 1536), (100, 7), (33, 80)} x weight dtype {bf16, fp16,
 fp32} x x dtype {bf16, fp32} x {no bias, bias}, bf16 x also with float32 output
 (out_dtype, what the LM head asks for), plus edge cases (3-D and
-row-strided x, fp16 x, M = 0, K = 0, NaN, bad arguments, fake tensors and
+row-strided and column-major x, fp16 x, M = 0, K = 0, NaN, bad arguments, fake tensors and
 torch.library.opcheck). On the amx library bf16 x with at least 16 rows and an
 even K runs on AMX tiles: the grid's M >= 17 rows, K = 80 (a partial last k
 tile), M = 16 (the threshold) and M = 700 at K = 1536 (several row groups)
@@ -148,6 +148,7 @@ def _worker_edges(torch, L, nr, failures, worst):
     check(torch.randn(4, 1, k, generator=gen).to(torch.bfloat16), None, "3-D x bf16")
     wide = torch.randn(9, k + 13, generator=gen)
     check(wide[:, 5 : 5 + k], b32.to(torch.float16), "row-strided x, fp16 bias")
+    check(torch.randn(k, 6, generator=gen).to(torch.bfloat16).t(), b32, "column-major x bf16")
     check(torch.randn(7, k, generator=gen).to(torch.float16), b32.to(torch.bfloat16), "fp16 x")
     check(torch.randn(1, k, generator=gen).to(torch.float16), None, "fp16 x M=1")
     check(torch.randn(k, generator=gen), b32, "1-D x")

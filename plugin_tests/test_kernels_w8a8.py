@@ -11,7 +11,8 @@ on every ISA library against a Python reference written from the formulas.
   |y - ref| <= 1e-6 * (s_a s_w (|sum q w| + |zp sum w|) + |b|) + 1e-30, plus one
   output rounding for bf16/fp16 (2^-8 / 2^-11 relative): the kernel converts
   the exact int32 to fp32 once and applies two fp32 multiplies and one add.
-Grid: M = 1, 3, 17, 128 (x 2-D and 3-D), (N, K) = (16, 64), (40, 36),
+Grid: M = 1, 3, 17, 128 (x 2-D, 3-D, column-major at M = 3, row-strided at
+M = 128), (N, K) = (16, 64), (40, 36),
 (104, 130), (33, 7) (partial panels, K not a multiple of 4), x fp32/bf16/fp16,
 with and without bias, the four activation modes; the integer product also at
 M = 50 and (N, K) = (48, 192). Every library this CPU runs, amx included (AMX
@@ -97,6 +98,10 @@ def _worker() -> dict:
             for dt in (torch.float32, torch.bfloat16, torch.float16):
                 shape = (m, k) if m != 17 else (1, m, k)  # 3-D x too
                 x = (torch.randn(shape, generator=gen) * 2).to(dt)
+                if m == 3:  # column-major x: the kernel copies it to rows
+                    x = x.t().contiguous().t()
+                elif m == 128:  # row-strided x: read in place
+                    x = torch.nn.functional.pad(x, (0, 5))[:, :k]
                 bias = torch.randn(n, generator=gen).to(dt) if m in (3, 17) else None
                 for label, scale, zp, sym in modes:
                     tag = f"{label} {m}x{k}x{n} {dt}"
