@@ -26,6 +26,8 @@ LM_HEAD_QUANT_CHOICES = ("auto", "none", "int8")
 STEP_GRAPHS = "VLLM_CPU_BACKEND_STEP_GRAPHS"
 # Ours: run a single rank's worker inside the engine-core process, default 0.
 WORKER_IN_ENGINE = "VLLM_CPU_BACKEND_WORKER_IN_ENGINE"
+# Ours: move the loaded weights onto transparent huge pages, default 1.
+HUGE_PAGE_WEIGHTS = "VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS"
 # The host's: serve 4-bit checkpoints with int8 activations (W4A8), default 1.
 INT4_W4A8 = "VLLM_CPU_INT4_W4A8"
 # The host's own flags, read with bool(int(...)) deep inside its workers.
@@ -165,6 +167,12 @@ def worker_in_engine() -> bool:
     return bool(_flag(WORKER_IN_ENGINE))
 
 
+def huge_page_weights() -> bool:
+    """`VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS`: 1 (default) or 0 to leave the
+    loaded weights where the loader put them (cpu_backend.worker.huge_pages)."""
+    return _flag(HUGE_PAGE_WEIGHTS) is not False
+
+
 def lm_head_quant() -> str:
     """`VLLM_CPU_BACKEND_LM_HEAD_QUANT`: 'auto' (default: int8 for quantized
     checkpoints, see cpu_backend.quantization.lm_head.resolve_mode), 'none' or 'int8'."""
@@ -207,3 +215,4 @@ def validate_all() -> None:
     lm_head_quant()
     step_graphs()
     worker_in_engine()
+    huge_page_weights()

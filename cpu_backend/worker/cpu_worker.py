@@ -204,8 +204,11 @@ class CpuBackendWorker(CPUWorker):
         """Bytes: what the KV plan saw and what the process holds now."""
         plan = self.kv_plan
         kv_allocated, kv_huge_pages = kv_cache_bytes(self.model_runner.kv_caches)
+        moved = getattr(self.model_runner, "moved_weights", None)
         return {
             "weights": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "weights_moved": moved.nbytes if moved else 0,
+            "weights_huge_pages": moved.huge_page_bytes() if moved else 0,
             "kv_allocated": kv_allocated,
             "kv_huge_pages": kv_huge_pages,
             "kv_planned": plan.kv_bytes if plan else None,

@@ -1,4 +1,4 @@
-"""The KV cache on transparent huge pages.
+"""The KV cache and the weights on transparent huge pages.
 
 The host allocates the whole KV cache with one `torch.zeros` (in
 `vllm.v1.worker.utils.allocate_kv_cache`). On CPU that zeroing faults in every
@@ -17,14 +17,27 @@ function mode that serves large CPU `torch.zeros` calls from
 `huge_page_zeros` and leaves every other call alone. With THP set to `never`
 (/sys/kernel/mm/transparent_hugepage/enabled) the advice is skipped and the
 allocation is the host's.
+
+`move_weights(model)` does the same for the weights once they are loaded and
+repacked: it copies every tensor the model's modules hold (parameters,
+buffers, our packed copies) into one buffer marked `MADV_HUGEPAGE` and points
+the tensors at it in place (`Tensor.set_`, so every holder sees the move).
+Separate allocations could not use huge pages: most weights are smaller than
+2 MiB, and glibc maps each large allocation on its own, unaligned. Decode reads
+every weight once per token; on 4 KiB pages each small read pays page walks
+(two-level ones in a VM) where the hardware prefetcher stops at every page:
+cold int4 linears of the Qwen2.5-0.5B shape ran 8-12% faster on huge pages
+(2 threads, Sapphire Rapids VM: o 25.3 -> 23.3 us, gate_up 199 -> 184 us).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -117,3 +130,89 @@ def allocation_context() -> contextlib.AbstractContextManager:
     if thp_mode() == "never":
         return contextlib.nullcontext()
     return _LargeZerosOnHugePages()
+
+
+# Weight slots start on cache lines (and so on every element size).
+WEIGHT_ALIGN = 64
+# Below this the model's weights fill few whole huge pages: left where they are.
+MIN_WEIGHT_BYTES = 8 << 20
+
+
+@dataclasses.dataclass
+class MovedWeights:
+    """What `move_weights` did; `buffer` keeps the weights' new home."""
+
+    buffer: torch.Tensor | None
+    tensors: int
+    nbytes: int
+    seconds: float
+
+    def huge_page_bytes(self) -> int:
+        return 0 if self.buffer is None else huge_page_bytes(self.buffer)
+
+
+def _held_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every CPU tensor the model's modules hold directly: parameters,
+    buffers, tensor attributes and the tensor fields of dataclass attributes
+    (the packed copies our linear methods keep)."""
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        values = [*module._parameters.values(), *module._buffers.values()]
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor):
+                values.append(value)
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                values.extend(getattr(value, f.name) for f in dataclasses.fields(value))
+        for t in values:
+            if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided
+                    and t.untyped_storage().nbytes() > 0):
+                found[id(t)] = t
+    return list(found.values())
+
+
+def _movable(t: torch.Tensor) -> bool:
+    """A plain tensor (or parameter) autograd does not track."""
+    return type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__ and not t.requires_grad
+
+
+def move_weights(model: torch.nn.Module) -> MovedWeights:
+    """Move the model's weights into one buffer on huge pages (see the module
+    docstring). Tensors sharing a storage keep sharing it (a storage one of
+    whose tensors cannot move stays); values are copied bit for bit. Nothing
+    moves with THP `never` or under MIN_WEIGHT_BYTES."""
+    start = time.perf_counter()
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for t in _held_tensors(model):
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    by_storage = {k: group for k, group in by_storage.items() if all(map(_movable, group))}
+    slots, total = [], 0
+    for group in by_storage.values():
+        slots.append((total, group))
+        total += -(-group[0].untyped_storage().nbytes() // WEIGHT_ALIGN) * WEIGHT_ALIGN
+    if thp_mode() == "never" or total < MIN_WEIGHT_BYTES:
+        return MovedWeights(None, 0, 0, time.perf_counter() - start)
+    # Inference mode: weights made under it can only be re-pointed inside it.
+    with torch.inference_mode():
+        buffer = torch.empty(total, dtype=torch.uint8)
+        advise_huge_pages(buffer)
+        storage = buffer.untyped_storage()
+        for offset, group in slots:
+            old = group[0].untyped_storage()
+            src = torch.empty(0, dtype=torch.uint8).set_(old, 0, (old.nbytes(),), (1,))
+            buffer[offset:offset + old.nbytes()].copy_(src)
+            del src, old
+            for t in group:
+                t.set_(storage, offset // t.element_size() + t.storage_offset(), t.size(), t.stride())
+    # The old copies below glibc's mmap threshold went back to its heap:
+    # hand their pages to the kernel (else resident memory grew by ~30% of
+    # the moved bytes on a GPTQ int4 Qwen2.5-0.5B).
+    _malloc_trim()
+    return MovedWeights(buffer, sum(len(g) for g in by_storage.values()), total,
+                        time.perf_counter() - start)
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc
+        pass

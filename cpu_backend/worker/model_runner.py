@@ -7,7 +7,9 @@ dummy step instead; the host's full-size profile run is kept for compiled mode,
 where it triggers compilation. `profile_activation_peak` measures what a
 forward step adds to resident memory, for the worker's KV sizing.
 The KV cache is allocated on transparent huge pages (`huge_pages`), through
-the host's `kv_cache_allocation_context` argument. Small steps run from
+the host's `kv_cache_allocation_context` argument, and the loaded weights are
+moved onto them (`load_model`; not with LoRA, whose adapters write into
+weight views we do not track). Small steps run from
 captured graphs (`step_graphs`), through the host's `_model_forward` hook,
 with the host's attention ops lowered to our kernels (`attention.step_ops`).
 Greedy sampling runs our argmax kernel (`sampler`).
@@ -64,6 +66,19 @@ class CpuBackendModelRunner(CPUModelRunner):
         ours = None if self.speculative_config else sampler.replacing(self.sampler)
         if ours is not None:
             self.sampler = ours
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        self.moved_weights = None
+        if not envs.huge_page_weights() or self.lora_config is not None:
+            return
+        self.moved_weights = huge_pages.move_weights(self.model)
+        if self.moved_weights.buffer is not None:
+            logger.info("cpu_backend: weights (%.0f MB in %d tensors) moved onto huge pages in %.2f s, "
+                        "%.0f MB of them on huge pages now (transparent huge pages: %s)",
+                        self.moved_weights.nbytes / 1e6, self.moved_weights.tensors,
+                        self.moved_weights.seconds, self.moved_weights.huge_page_bytes() / 1e6,
+                        huge_pages.thp_mode())
 
     if _HOST_KV_INIT_PARAMS == ["self", "kv_cache_config", "is_profiling",
                                 "kv_cache_allocation_context"]:
