@@ -10,7 +10,10 @@
 //     q[16p + c][KW*b + i] << (BITS*i). B = G * gsp / KW.
 //   scales, zs [P][G][16] fp32, G = K / group_size: the weight is
 //     q * scale + zs (zs = -zero * scale, so asymmetric and symmetric are one
-//     path). Padded columns have scale 0.
+//     path). Padded columns have scale 0. Symmetric weights (every zero
+//     2^(BITS-1)) may come with an empty zs: the kernels then take
+//     -2^(BITS-1) * scale, the same value exactly, and read 4 bytes per group
+//     and column fewer (a tenth of a 4-bit g128 weight's bytes).
 //   perm [K] int64 (optional): row k of the weight multiplies x[:, perm[k]]
 //     (GPTQ act-order: rows sorted by g_idx so every group is contiguous).
 // Compute: x rows are packed to fp32 chunks [G * gsp][mr] (gathered through
@@ -81,6 +84,13 @@ constexpr int64_t kDenseRows = 16;
 
 constexpr int64_t kBlockBytes = 64;  // 16 uint32 words
 
+// Group g's zero term: zs[g], or -2^(BITS-1) * scale for symmetric weights
+// stored without zs (zs null; exact, a power of two).
+template <int BITS>
+static CB_ALWAYS_INLINE Vec zero_term(const float* zs, Vec sv, int64_t g) {
+  return zs ? Vec::load(zs + g * kNR) : sv * Vec::broadcast(-float(1 << (BITS - 1)));
+}
+
 
 // Per group the kernels keep S accumulator sets of MR rows (independent
 // chains); these zero them and, at the group's end, sum them and add the
@@ -138,7 +148,8 @@ struct QuantKernel {
         prefetch_panel<kBlockBytes>(q);
         block<MR, KU>(q, a, gacc, std::make_index_sequence<KW>{});
       }
-      add_group(acc, gacc, Vec::load(s + g * kNR), Vec::load(zs + g * kNR), asum + g * MR);
+      const Vec sv = Vec::load(s + g * kNR);
+      add_group(acc, gacc, sv, zero_term<BITS>(zs, sv, g), asum + g * MR);
     }
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m].store(c + m * kNR);
   }
@@ -201,7 +212,7 @@ struct Q4PairKernel {
         a += kA;
       }
       const Vec sv = Vec::load(s + g * kNR);
-      add_group(acc, gacc, sv, fma(Vec::broadcast(-kQ4PairBias), sv, Vec::load(zs + g * kNR)), asum + g * MR);
+      add_group(acc, gacc, sv, fma(Vec::broadcast(-kQ4PairBias), sv, zero_term<4>(zs, sv, g)), asum + g * MR);
     }
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m].store(c + m * kNR);
   }
@@ -231,7 +242,7 @@ struct Q4A8Kernel {
         u4s8_unit<MR>(q, a, isum);
         CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = fma(isum[m], sv * Vec::broadcast(sx[m]), acc[m]);
       }
-      const Vec zv = Vec::load(zs + g * kNR);
+      const Vec zv = zero_term<4>(zs, sv, g);
       CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = fma(Vec::broadcast(asum[g * MR + m]), zv, acc[m]);
     }
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m].store(c + m * kNR);
@@ -399,7 +410,7 @@ struct Dequant {
   static void panel(const uint8_t* q, const float* s, const float* zs, int64_t G, int64_t group_blocks, float* w) {
     constexpr int KW = 32 / BITS;
     for (int64_t g = 0; g < G; ++g) {
-      const Vec sv = Vec::load(s + g * kNR), zv = Vec::load(zs + g * kNR);
+      const Vec sv = Vec::load(s + g * kNR), zv = zero_term<BITS>(zs, sv, g);
       for (int64_t b = 0; b < group_blocks; ++b, q += kBlockBytes, w += KW * kNR) {
         block(q, sv, zv, w, std::make_index_sequence<KW>{});
       }
@@ -457,8 +468,9 @@ void run_dense(const float* ap, const uint8_t* qw, const float* sc, const float*
   for_tiles<kMRD>(M, N, M * N * Kp, bias, out, [&](int64_t p) {
     thread_local std::vector<float> wbuf;
     if (wbuf.size() < size_t(Kp * kNR)) wbuf.resize(Kp * kNR);
-    Dequant<BITS>::panel(qw + p * l.G * group_blocks * kBlockBytes, sc + p * l.G * kNR, zs + p * l.G * kNR, l.G,
-                         group_blocks, wbuf.data());
+    const float* pz = zs ? zs + p * l.G * kNR : zs;
+    Dequant<BITS>::panel(qw + p * l.G * group_blocks * kBlockBytes, sc + p * l.G * kNR, pz, l.G, group_blocks,
+                         wbuf.data());
     const float* w = wbuf.data();
     return [=](int64_t c, int mr, float* tile) { kernels[mr - 1](ap + c * kMRD * Kp, w, Kp, tile); };
   });
@@ -474,7 +486,7 @@ void run(const typename Kern::AT* ap, const float* asum, const uint8_t* qw, cons
   for_tiles<kMR>(M, N, M * N * Kp, bias, out, [&](int64_t p) {
     const uint8_t* panel = qw + p * l.G * group_blocks * kBlockBytes;
     const float* ps = sc + p * l.G * kNR;
-    const float* pz = zs + p * l.G * kNR;
+    const float* pz = zs ? zs + p * l.G * kNR : zs;
     const int64_t G = l.G;
     return [=](int64_t c, int mr, float* tile) {
       kernels[mr - 1](ap + c * kMR * KA, asum + c * kMR * G, panel, ps, pz, G, group_blocks, tile);
@@ -492,7 +504,7 @@ void run_a8(const int32_t* ap, const float* sx, const float* asum, const uint8_t
   for_tiles<kMRA8>(M, N, M * N * K / 4, bias, out, [&](int64_t p) {
     const uint8_t* panel = qw + p * l.G * group_blocks * kBlockBytes;
     const float* ps = sc + p * l.G * kNR;
-    const float* pz = zs + p * l.G * kNR;
+    const float* pz = zs ? zs + p * l.G * kNR : zs;
     const int64_t G = l.G;
     return [=](int64_t c, int mr, float* tile) {
       kernels[mr - 1](ap + c * kMRA8 * (K / 4), sx + c * kMRA8 * U, asum + c * kMRA8 * G, panel, ps, pz, G,
@@ -517,11 +529,13 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   TORCH_CHECK(n > 0 && ceil_div(n, kNR) == P, op, ": n=", n, " does not match ", P, " panels of 16");
   TORCH_CHECK(scales.dim() == 3, op, ": scales must be float32 [", P, ", groups, 16], got ", scales.sizes());
   const int64_t G = scales.size(1);
+  const bool sym_zs = zs.numel() == 0;  // symmetric: zs = -2^(bits-1) * scale
   for (const at::Tensor* t : {&scales, &zs}) {
+    if (t == &zs && sym_zs) continue;
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == P &&
                     t->size(1) == G && t->size(2) == kNR,
-                op, ": scales and zs must be contiguous float32 [", P, ", ", G, ", 16], got ", t->sizes(),
-                " ", t->scalar_type());
+                op, ": scales and zs must be contiguous float32 [", P, ", ", G,
+                ", 16] (zs may be empty for symmetric weights), got ", t->sizes(), " ", t->scalar_type());
   }
   TORCH_CHECK(group_size > 0 && G > 0 && x.dim() >= 1 && x.size(-1) == G * group_size, op, ": x must be [..., ",
               G * group_size, "] (", G, " groups of group_size=", group_size, "), got ", x.sizes());
@@ -560,7 +574,7 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   const int64_t ldx = xr.ld;
   const uint8_t* qw = qweight.const_data_ptr<uint8_t>();
   const float* sc = scales.const_data_ptr<float>();
-  const float* zp = zs.const_data_ptr<float>();
+  const float* zp = sym_zs ? nullptr : zs.const_data_ptr<float>();
   if (int8_act) {
     const int64_t C = ceil_div(M, kMRA8);
     // One scratch allocation: packed int8 pairs, then the fp32 scales and sums.

@@ -14,6 +14,11 @@ x fp32/bf16/fp16, with and without bias; AWQ 4-bit through the same path (bf16 x
 float32 output, what the LM head asks for; on the odd-K cases too; row-strided and transposed x); odd K
 (37, 39, 66 in groups of 33, 6 in groups of 2) against the integer view directly.
 
+Symmetric weights packed without zs (kernel_layout(drop_symmetric_zs=True):
+the kernel derives -2^(bits-1) * scale): bit for bit the output of the same
+layout with zs, for every symmetric case of the grid (both activation
+paths, every M and dtype); asymmetric weights keep their zs.
+
 W4A8 (int8_act=True): every 4-bit case of the grid above and the AWQ ones
 again, against x quantized by the independent reference
 (quant_reference.int8_activations_per32: per 32 inputs in the kernel's perm
@@ -46,7 +51,7 @@ def _worker() -> dict:
 
     isa = ops.load()
     gen = torch.Generator().manual_seed(5)
-    failures, cases, worst = [], 0, 0.0
+    failures, cases, worst, sym_cases = [], 0, 0.0, 0
     rel_out = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
     def check(label, x, w_ref, bias, lay, bits, n, out_dtype=None, int8_act=False):
@@ -68,6 +73,15 @@ def _worker() -> dict:
         if y.dtype != out_dtype or y.shape != want.shape or not bool((err <= tol).all()):
             failures.append(f"{label}: max err {float(err.max()):.3g}")
 
+    def same_without_zs(label, x, lay, lay0, bits, n, bias, int8_act=False):
+        nonlocal sym_cases
+        args = (bits, lay["group_size"], n, lay["perm"], bias, None, int8_act)
+        y = torch.ops.cpu_backend.wna16_linear(x, lay["qweight"], lay["scales"], lay["zs"], *args)
+        y0 = torch.ops.cpu_backend.wna16_linear(x, lay0["qweight"], lay0["scales"], lay0["zs"], *args)
+        sym_cases += 1
+        if not torch.equal(y, y0):
+            failures.append(f"{label} without zs: max diff {float((y.double() - y0.double()).abs().max()):.3g}")
+
     for bits in (4, 8):
         for gs in (-1, 32, 64, 128):
             for sym in (True, False):
@@ -80,15 +94,23 @@ def _worker() -> dict:
                         w_ref = ref.gptq_dequantize(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits)
                         back = formats.gptq_unpack(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits)
                         lay = formats.kernel_layout(back["q"], back["zero"], back["scale"], back["g_idx"], bits)
+                        lay0 = formats.kernel_layout(back["q"], back["zero"], back["scale"], back["g_idx"], bits,
+                                                     drop_symmetric_zs=True)
+                        if (lay0["zs"].numel() == 0) != sym:
+                            failures.append(f"gptq b{bits} g{gs} sym{sym}: zs of {lay0['zs'].numel()} values")
                         for m in (1, 3, 13, 17):
                             for dt in (torch.float32, torch.bfloat16, torch.float16):
                                 x = torch.randn(m, k, generator=gen).to(dt)
                                 bias = torch.randn(n, generator=gen).to(dt) if m == 3 else None
-                                check(f"gptq b{bits} g{gs} sym{sym} act{act} {m}x{k}x{n} {dt}",
-                                      x, w_ref, bias, lay, bits, n)
+                                label = f"gptq b{bits} g{gs} sym{sym} act{act} {m}x{k}x{n} {dt}"
+                                check(label, x, w_ref, bias, lay, bits, n)
+                                if sym:
+                                    same_without_zs(label, x, lay, lay0, bits, n, bias)
                                 if bits == 4:
                                     check(f"gptq W4A8 g{gs} sym{sym} act{act} {m}x{k}x{n} {dt}",
                                           x, w_ref, bias, lay, bits, n, int8_act=True)
+                                    if sym:
+                                        same_without_zs(f"W4A8 {label}", x, lay, lay0, bits, n, bias, True)
     for gs in (-1, 32, 64, 128):
         w = torch.randn(64, 256, generator=gen) * 0.05
         v = formats.quantize_rtn(w, 4, gs, False)
@@ -134,13 +156,15 @@ def _worker() -> dict:
                     if dt == torch.bfloat16:
                         check(f"odd K b{bits} k{k} g{gs} m{m} {dt} float32 out", x, w_ref, None, lay, bits, 24,
                               torch.float32)
-    return {"isa": isa, "failures": failures, "cases": cases, "worst_err_over_tol": worst}
+    return {"isa": isa, "failures": failures, "cases": cases, "worst_err_over_tol": worst,
+            "sym_cases": sym_cases}
 
 
 @pytest.mark.parametrize("isa_path", ISA_PATHS)
 def test_wna16_linear_matches_reference(isa_path):
     result = run_worker(__file__, isa_path)
     assert result["cases"] >= 1224 + 585
+    assert result["sym_cases"] >= 864
     assert result["failures"] == [], result["failures"][:20]
 
 
@@ -153,6 +177,8 @@ def test_wna16_linear_rejects_bad_operands():
     q = torch.zeros(1, 8, 64, dtype=torch.uint8)  # 16 columns, K = 2 groups of 32, 4-bit
     s = torch.zeros(1, 2, 16)
     x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match=r"zs may be empty for symmetric weights\), got \[1, 2, 8\]"):
+        torch.ops.cpu_backend.wna16_linear(x, q, s, torch.zeros(1, 2, 8), 4, 32, 16)
     with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
         torch.ops.cpu_backend.wna16_linear(x, q, s, s, 3, 32, 16)
     with pytest.raises(RuntimeError, match="group_size=48"):

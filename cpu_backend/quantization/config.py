@@ -496,7 +496,7 @@ class WNA16LinearMethod(LinearMethodBase):
                 view["zero"].fill_(1 << (cfg.bits - 1))
         try:
             packed = formats.kernel_layout(view["q"], view["zero"], view["scale"], view["g_idx"],
-                                           cfg.bits)
+                                           cfg.bits, drop_symmetric_zs=True)
         except ValueError as e:
             raise QuantConfigError(f"{type(cfg).__name__}: {e}") from None
         for name in ("qweight", "qzeros", "scales", "g_idx"):

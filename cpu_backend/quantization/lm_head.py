@@ -78,7 +78,8 @@ def quantize_head(weight: torch.Tensor, mode: str) -> QuantizedHead:
     parts = []
     for r0 in range(0, n, CHUNK_ROWS):
         v = formats.quantize_rtn(weight[r0:r0 + CHUNK_ROWS], bits, -1, sym=True)
-        parts.append(formats.kernel_layout(v["q"], v["zero"], v["scale"], v["g_idx"], bits))
+        parts.append(formats.kernel_layout(v["q"], v["zero"], v["scale"], v["g_idx"], bits,
+                                           drop_symmetric_zs=True))
     return QuantizedHead(
         mode=mode, bits=bits, group_size=parts[0]["group_size"], out_features=n,
         qweight=torch.cat([p["qweight"] for p in parts]),
