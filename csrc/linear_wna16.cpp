@@ -13,7 +13,7 @@
 //     path). Padded columns have scale 0. Symmetric weights (every zero
 //     2^(BITS-1)) may come with an empty zs: the kernels then take
 //     -2^(BITS-1) * scale, the same value exactly, and read 4 bytes per group
-//     and column fewer (a tenth of a 4-bit g128 weight's bytes).
+//     and column fewer (68 instead of 72 for a 4-bit g128 weight).
 //   perm [K] int64 (optional): row k of the weight multiplies x[:, perm[k]]
 //     (GPTQ act-order: rows sorted by g_idx so every group is contiguous).
 // Compute: x rows are packed to fp32 chunks [G * gsp][mr] (gathered through

@@ -55,20 +55,14 @@ def test_kvcache_space(monkeypatch):
         envs.kvcache_space_bytes()
 
 
-def test_step_graphs_flag(monkeypatch):
-    monkeypatch.delenv("VLLM_CPU_BACKEND_STEP_GRAPHS", raising=False)
-    assert envs.step_graphs() is True
+@pytest.mark.parametrize("name,parser", [("VLLM_CPU_BACKEND_STEP_GRAPHS", "step_graphs"),
+                                         ("VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS", "huge_page_weights")])
+def test_flags_on_by_default(monkeypatch, name, parser):
+    monkeypatch.delenv(name, raising=False)
+    assert getattr(envs, parser)() is True
     for value, on in (("0", False), ("1", True), ("", True)):
-        monkeypatch.setenv("VLLM_CPU_BACKEND_STEP_GRAPHS", value)
-        assert envs.step_graphs() is on
-
-
-def test_huge_page_weights_flag(monkeypatch):
-    monkeypatch.delenv("VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS", raising=False)
-    assert envs.huge_page_weights() is True
-    for value, on in (("0", False), ("1", True), ("", True)):
-        monkeypatch.setenv("VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS", value)
-        assert envs.huge_page_weights() is on
+        monkeypatch.setenv(name, value)
+        assert getattr(envs, parser)() is on
 
 
 def test_lm_head_quant(monkeypatch):
