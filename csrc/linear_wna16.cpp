@@ -84,6 +84,11 @@ constexpr int64_t kDenseRows = 16;
 
 constexpr int64_t kBlockBytes = 64;  // 16 uint32 words
 
+// Panel p's [G][16] rows of scales or zs; null stays null (symmetric zs).
+static inline const float* panel_groups(const float* t, int64_t p, int64_t G) {
+  return t ? t + p * G * kNR : nullptr;
+}
+
 // Group g's zero term: zs[g], or -2^(BITS-1) * scale for symmetric weights
 // stored without zs (zs null; exact, a power of two).
 template <int BITS>
@@ -468,9 +473,8 @@ void run_dense(const float* ap, const uint8_t* qw, const float* sc, const float*
   for_tiles<kMRD>(M, N, M * N * Kp, bias, out, [&](int64_t p) {
     thread_local std::vector<float> wbuf;
     if (wbuf.size() < size_t(Kp * kNR)) wbuf.resize(Kp * kNR);
-    const float* pz = zs ? zs + p * l.G * kNR : zs;
-    Dequant<BITS>::panel(qw + p * l.G * group_blocks * kBlockBytes, sc + p * l.G * kNR, pz, l.G, group_blocks,
-                         wbuf.data());
+    Dequant<BITS>::panel(qw + p * l.G * group_blocks * kBlockBytes, panel_groups(sc, p, l.G),
+                         panel_groups(zs, p, l.G), l.G, group_blocks, wbuf.data());
     const float* w = wbuf.data();
     return [=](int64_t c, int mr, float* tile) { kernels[mr - 1](ap + c * kMRD * Kp, w, Kp, tile); };
   });
@@ -485,8 +489,8 @@ void run(const typename Kern::AT* ap, const float* asum, const uint8_t* qw, cons
   const int64_t KA = Kp / Kern::kInputsPerA;  // a values per row of a chunk
   for_tiles<kMR>(M, N, M * N * Kp, bias, out, [&](int64_t p) {
     const uint8_t* panel = qw + p * l.G * group_blocks * kBlockBytes;
-    const float* ps = sc + p * l.G * kNR;
-    const float* pz = zs ? zs + p * l.G * kNR : zs;
+    const float* ps = panel_groups(sc, p, l.G);
+    const float* pz = panel_groups(zs, p, l.G);
     const int64_t G = l.G;
     return [=](int64_t c, int mr, float* tile) {
       kernels[mr - 1](ap + c * kMR * KA, asum + c * kMR * G, panel, ps, pz, G, group_blocks, tile);
@@ -503,8 +507,8 @@ void run_a8(const int32_t* ap, const float* sx, const float* asum, const uint8_t
   const int64_t group_units = l.gs / kU4S8Inputs;
   for_tiles<kMRA8>(M, N, M * N * K / 4, bias, out, [&](int64_t p) {
     const uint8_t* panel = qw + p * l.G * group_blocks * kBlockBytes;
-    const float* ps = sc + p * l.G * kNR;
-    const float* pz = zs ? zs + p * l.G * kNR : zs;
+    const float* ps = panel_groups(sc, p, l.G);
+    const float* pz = panel_groups(zs, p, l.G);
     const int64_t G = l.G;
     return [=](int64_t c, int mr, float* tile) {
       kernels[mr - 1](ap + c * kMRA8 * (K / 4), sx + c * kMRA8 * U, asum + c * kMRA8 * G, panel, ps, pz, G,

@@ -181,6 +181,8 @@ def move_weights(model: torch.nn.Module) -> MovedWeights:
     whose tensors cannot move stays); values are copied bit for bit. Nothing
     moves with THP `never` or under MIN_WEIGHT_BYTES."""
     start = time.perf_counter()
+    if thp_mode() == "never":
+        return MovedWeights(None, 0, 0, 0.0)
     by_storage: dict[int, list[torch.Tensor]] = {}
     for t in _held_tensors(model):
         by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
@@ -189,7 +191,7 @@ def move_weights(model: torch.nn.Module) -> MovedWeights:
     for group in by_storage.values():
         slots.append((total, group))
         total += -(-group[0].untyped_storage().nbytes() // WEIGHT_ALIGN) * WEIGHT_ALIGN
-    if thp_mode() == "never" or total < MIN_WEIGHT_BYTES:
+    if total < MIN_WEIGHT_BYTES:
         return MovedWeights(None, 0, 0, time.perf_counter() - start)
     # Inference mode: weights made under it can only be re-pointed inside it.
     with torch.inference_mode():
