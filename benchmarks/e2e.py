@@ -23,7 +23,8 @@ Writes ``benchmarks/results/e2e.md`` (tables), ``e2e.png`` (bar plots), ``e2e.js
 (raw numbers) and per-run logs under ``benchmarks/results/e2e_logs/`` (not committed);
 ``--quick`` writes ``e2e_quick.{md,png,json}`` instead, leaving the full results alone;
 ``--avx2-emulation`` (what an AVX2-only CPU runs: oneDNN and ATen limited to AVX2 for both
-backends, ours on its avx2 library) writes ``e2e_avx2[_quick].*``.
+backends, torch reporting no AVX-512/AMX so that the host loads its ``_C_AVX2`` build, ours on
+its avx2 library) writes ``e2e_avx2[_quick].*``.
 Results are rewritten after every run, so an interrupted benchmark still leaves a report.
 A run that fails or times out becomes a row with its error.
 
@@ -46,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.isa_runs import TORCH_ISA_ENV
+from benchmarks.isa_runs import TORCH_ISA_ENV, as_avx2_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -86,8 +87,9 @@ def stem(quick: bool, avx2: bool = False) -> str:
 
 
 # --avx2-emulation: what an AVX2-only CPU runs. oneDNN and ATen (both backends'
-# torch ops) limited to AVX2; ours forced onto its avx2 library. The host's own
-# `_C` kernels still use AVX-512 where it exists (they pick their ISA at build).
+# torch ops) limited to AVX2; torch's CPU capability queries without AVX-512/AMX,
+# so the host loads its `_C_AVX2` build (as_avx2_cpu); ours forced onto its avx2
+# library.
 AVX2_ENV_ALL = TORCH_ISA_ENV["avx2"]
 AVX2_ENV_OURS = {"VLLM_CPU_BACKEND_ISA": "avx2"}
 
@@ -231,6 +233,7 @@ def run_one(run: dict, folder: Path, args, logs: Path) -> dict:
         env["VLLM_PLUGINS"] = plugins
     if args.avx2_emulation:
         env.update(AVX2_ENV_ALL)
+        env = as_avx2_cpu(env)
         if plugins is None:
             env.update(AVX2_ENV_OURS)
     reps = ["--ttft-reps", "3", "--decode-reps", "2", "--num-prompts", "16"] if args.quick else \
@@ -341,8 +344,12 @@ def write_report(state: dict, quick: bool) -> None:
         ours = " ".join(f"{k}={v}" for k, v in AVX2_ENV_OURS.items())
         L.append(f"- **AVX2 emulation** (`--avx2-emulation`): both backends ran with `{env}` "
                  f"(oneDNN cannot build bf16 matmuls without AVX-512, so the host's linears fall "
-                 f"back as on AVX2 CPUs), ours also with `{ours}`. The host's own `_C` kernels "
-                 "(attention, norms) still use AVX-512 on this CPU.")
+                 f"back as on AVX2 CPUs), ours also with `{ours}`. "
+                 + ("torch's CPU capability queries reported no AVX-512 or AMX "
+                    "(`benchmarks/avx2_cpu/sitecustomize.py`), so the host loaded its `_C_AVX2` "
+                    "library and took its AVX2 attention paths, as on an AVX2 CPU."
+                    if state.get("avx2_cpu_masked") else
+                    "The host's own `_C` kernels (attention, norms) still used AVX-512 on this CPU."))
     L.append(f"- Machine: {mi.get('cpu', '?')}, {mi.get('cores')} cores, {mi.get('mem_gib', '?')} GiB; "
              f"flags: {', '.join(mi.get('flags', []))}"
              f"{' (no ' + ', '.join(mi['flags_missing']) + ')' if mi.get('flags_missing') else ''}. "
@@ -602,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": now,
         "quick": args.quick,
         "avx2_emulation": args.avx2_emulation,
+        "avx2_cpu_masked": args.avx2_emulation,  # the host on its _C_AVX2 build too
         "machine": machine_info(),
         "bandwidth": {"checkpoints": []},
         "weights": weights,

@@ -29,6 +29,19 @@ TORCH_ISA_ENV = {
     # Intel client parts (Alder Lake and later): AVX2 + 256-bit VNNI
     "avx_vnni": {"ONEDNN_MAX_CPU_ISA": "AVX2_VNNI", "ATEN_CPU_CAPABILITY": "avx2"},
 }
+# A process whose environment has this directory first on PYTHONPATH sees a CPU
+# without AVX-512/AMX through torch's capability queries, from which the host
+# picks its `_C` build (`_C_AVX2`) and its attention/GEMM paths
+# (benchmarks/avx2_cpu/sitecustomize.py).
+AVX2_CPU_SITE = Path(__file__).resolve().parent / "avx2_cpu"
+
+
+def as_avx2_cpu(env: dict) -> dict:
+    """`env` plus what makes the host, too, run what a CPU without AVX-512 runs."""
+    paths = [str(AVX2_CPU_SITE)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
+
+
 # Weights are rotated through copies totalling more than this, so that M = 1
 # reads come from DRAM, like a model whose layers do not stay in cache.
 ROTATE_BYTES = 96 << 20
