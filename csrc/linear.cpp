@@ -22,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -331,8 +332,10 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return out;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t n,
-                  const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
+namespace {
+
+// The checks both entry points make of x and the packed weight.
+void check_linear_args(const at::Tensor& x, const at::Tensor& packed_weight, int64_t n) {
   const at::Tensor& pw = packed_weight;
   TORCH_CHECK(x.device().is_cpu() && pw.device().is_cpu(), "cpu_backend::linear: tensors must be on CPU");
   TORCH_CHECK(pw.dim() == 3 && pw.size(2) == kNR,
@@ -349,16 +352,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t 
               x.sizes());
   TORCH_CHECK(is_supported_float(x.scalar_type()),
               "cpu_backend::linear: x must be float32, bfloat16 or float16, got ", x.scalar_type());
+}
 
-  const at::ScalarType out_type = out_dtype.value_or(x.scalar_type());
-  TORCH_CHECK(is_supported_float(out_type),
-              "cpu_backend::linear: out_dtype must be float32, bfloat16 or float16, got ", out_type);
-
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options().dtype(out_type).memory_format(at::MemoryFormat::Contiguous));
+// out[..., n] = x @ W^T + bias; out is contiguous, of x's leading shape.
+void linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed_weight, int64_t n,
+                 const std::optional<at::Tensor>& bias) {
+  const at::Tensor& pw = packed_weight;
+  const int64_t K = pw.size(1);
   const int64_t M = n == 0 ? 0 : out.numel() / n;
-  if (M == 0 || n == 0) return out;
+  if (M == 0 || n == 0) return;
 
   // bias -> fp32, zero padded to whole panels
   at::Tensor bias_f32;
@@ -384,7 +386,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t 
         linear_amx_bf16(static_cast<const bf16_t*>(x2.const_data_ptr()), ldx, M, n, K,
                         static_cast<const bf16_t*>(pw.const_data_ptr()), bias_ptr, o);
       });
-      return out;
+      return;
     }
 #endif
     // bf16 x bf16: two k per VDPBF16PS
@@ -394,7 +396,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t 
     dispatch_out([&](auto* o) {
       run_linear<DpBf16Kernel>(ap, static_cast<const bf16_t*>(pw.const_data_ptr()), bias_ptr, o, M, n, K);
     });
-    return out;
+    return;
   }
 #endif
 
@@ -416,7 +418,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t 
     dispatch_out([&](auto* o) {
       run_linear<PairWidenKernel>(ap, static_cast<const bf16_t*>(pw.const_data_ptr()), bias_ptr, o, M, n, K);
     });
-    return out;
+    return;
   }
 #endif
 
@@ -426,7 +428,42 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t 
       run_linear<PlainKernel<WT>>(ap, static_cast<const WT*>(pw.const_data_ptr()), bias_ptr, o, M, n, K);
     });
   });
+}
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t n,
+                  const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
+  check_linear_args(x, packed_weight, n);
+  const at::ScalarType out_type = out_dtype.value_or(x.scalar_type());
+  TORCH_CHECK(is_supported_float(out_type),
+              "cpu_backend::linear: out_dtype must be float32, bfloat16 or float16, got ", out_type);
+
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty(out_shape, x.options().dtype(out_type).memory_format(at::MemoryFormat::Contiguous));
+  linear_into(out, x, packed_weight, n, bias);
   return out;
 }
 
+// linear into a given tensor: step graphs (cpu_backend.worker.step_graphs)
+// call this with preallocated activation buffers.
+void linear_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed_weight, int64_t n,
+                const std::optional<at::Tensor>& bias) {
+  check_linear_args(x, packed_weight, n);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape) && out.is_contiguous() &&
+                  is_supported_float(out.scalar_type()) && out.device().is_cpu(),
+              "cpu_backend::linear_out: out must be a contiguous float32/bfloat16/float16 CPU tensor of shape ",
+              at::IntArrayRef(out_shape), ", got ", out.sizes());
+  linear_into(out, x, packed_weight, n, bias);
+}
+
 }  // namespace cpu_backend
+
+TORCH_LIBRARY_FRAGMENT(cpu_backend, m) {
+  m.def("linear_out(Tensor(a!) out, Tensor x, Tensor packed_weight, int n, Tensor? bias=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(cpu_backend, CPU, m) { m.impl("linear_out", &cpu_backend::linear_out); }

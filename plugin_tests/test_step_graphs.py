@@ -127,6 +127,60 @@ def test_views_that_change_nothing_are_not_replayed():
         assert got[0].shape == (3, 4, HIDDEN // 4)
 
 
+@torch.library.custom_op("step_graph_test::copy", mutates_args=())
+def _foreign_copy(x: torch.Tensor) -> torch.Tensor:
+    """An op from outside aten and ours: it might keep a reference to x."""
+    return x.clone()
+
+
+class BufferStep(torch.nn.Module):
+    """A decoder layer's activation traffic: our linear (which allocates its
+    result) split into q/k/v and viewed as heads, an `empty` our RMSNorm
+    writes, a second linear whose result the step returns."""
+
+    def __init__(self, foreign_reader: bool = False):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.qkv = torch.ops.cpu_backend.pack_linear_weight(torch.randn(3 * HIDDEN, HIDDEN) / 8)
+        self.proj = torch.ops.cpu_backend.pack_linear_weight(torch.randn(HIDDEN, HIDDEN) / 8)
+        self.norm_weight = torch.rand(HIDDEN) + 0.5
+        self.foreign_reader = foreign_reader
+
+    def forward(self, input_ids, positions):
+        q, k, v = torch.ops.cpu_backend.linear(self.embed(input_ids), self.qkv, 3 * HIDDEN).split(HIDDEN, -1)
+        heads = [t.view(-1, 4, HIDDEN // 4) for t in (q, k, v)]
+        mixed = (heads[0] * heads[1] + heads[2]).flatten(1)
+        normed = torch.empty(input_ids.shape[0], HIDDEN)
+        torch.ops.cpu_backend.rms_norm(normed, mixed, self.norm_weight, 1e-6)
+        if self.foreign_reader:
+            normed = _foreign_copy(normed)
+        return torch.ops.cpu_backend.linear(normed, self.proj, HIDDEN)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("foreign_reader", [False, True])
+def test_activations_live_in_buffers_preallocated_at_capture(foreign_reader):
+    """Scratch memory (our linear's result, an `empty`) read only by aten's and
+    our ops becomes a buffer the graph owns, and views of it constants; the
+    returned tensor and memory another op reads stay fresh every step, so a
+    step's result survives the next step."""
+    module = BufferStep(foreign_reader)
+    _, graph = StepGraph.record(module, *inputs(3, seed=1))
+    counts = graph.op_counts
+    assert counts["cpu_backend::linear"] == 2
+    assert "aten::split_with_sizes" not in counts and "aten::view" not in counts, counts
+    # fresh each step: the result, and the `empty` the foreign op reads
+    assert counts["aten::empty.memory_format"] == 1 + foreign_reader, counts
+    ids, pos = inputs(3, seed=2)
+    first = graph.run(ids, pos)
+    kept = first.clone()
+    assert torch.equal(first, module(ids, pos))
+    ids, pos = inputs(3, seed=3)
+    assert torch.equal(graph.run(ids, pos), module(ids, pos))
+    assert torch.equal(first, kept)
+
+
 @torch.inference_mode()
 def test_step_graphs_capture_each_token_count_once_and_replay_it():
     module = TinyStep()
@@ -235,7 +289,8 @@ HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 4, 2, 64, 16
 
 
 class HostAttentionStep(torch.nn.Module):
-    """A step that calls the host's attention ops the way vLLM's Attention does."""
+    """A step that calls the host's attention op the way vLLM's Attention does
+    for our backend (which writes the KV cache in its forward: no update op)."""
 
     def __init__(self):
         super().__init__()
@@ -246,10 +301,8 @@ class HostAttentionStep(torch.nn.Module):
         q, k, v = self.embed(input_ids).split(
             [HEADS * HEAD_SIZE, KV_HEADS * HEAD_SIZE, KV_HEADS * HEAD_SIZE], dim=-1)
         q, k, v = (t.reshape(t.shape[0], -1, HEAD_SIZE) for t in (q, k, v))
-        dep = torch.ops.vllm.unified_kv_cache_update(k, v, "layer0")
         out = torch.empty_like(q)
-        torch.ops.vllm.unified_attention_with_output(q, k, v, out, "layer0",
-                                                     kv_cache_dummy_dep=dep)
+        torch.ops.vllm.unified_attention_with_output(q, k, v, out, "layer0")
         return out
 
 
@@ -264,19 +317,18 @@ def attention_context(kv_cache, positions, blocks):
     layer = SimpleNamespace(impl=impl, kv_cache=kv_cache, _k_scale_float=1.0, _v_scale_float=1.0)
     pos = torch.tensor(positions, dtype=torch.int32)
     table = torch.tensor([[b] for b in blocks], dtype=torch.int32)
-    metadata = SimpleNamespace(token_req=torch.arange(len(positions), dtype=torch.int32),
-                               token_pos=pos, block_table=table)
     slots = table[:, 0].long() * BLOCK + pos.long()
+    metadata = SimpleNamespace(token_req=torch.arange(len(positions), dtype=torch.int32),
+                               token_pos=pos, block_table=table, slot_mapping=slots)
     return SimpleNamespace(attn_metadata={"layer0": metadata}, slot_mapping={"layer0": slots},
                            no_compile_layers={"layer0": layer})
 
 
 @torch.inference_mode()
-def test_host_attention_ops_are_recorded_as_calls_of_our_kernels():
-    """Recorded, the host's KV-cache update and attention ops become direct calls
-    of our kernels that read the step's slots and metadata when they run: a
-    replay in another step's context writes the cache and attends exactly as
-    the host's ops do."""
+def test_host_attention_op_is_recorded_as_calls_of_our_kernels():
+    """Recorded, the host's attention op becomes a direct call of our kernels
+    that reads the step's slots and metadata when it runs: a replay in another
+    step's context writes the cache and attends exactly as the host's op does."""
     import vllm.model_executor.layers.attention.attention  # noqa: F401  (registers the host ops)
     from vllm.forward_context import override_forward_context
 
@@ -288,7 +340,6 @@ def test_host_attention_ops_are_recorded_as_calls_of_our_kernels():
     ids, pos = inputs(2, seed=7)
     with override_forward_context(attention_context(cache.clone(), [5, 9], [0, 1])):
         _, graph = StepGraph.record(module, ids, pos, lower=step_ops.lower)
-    assert graph.op_counts[step_ops.KV_CACHE_UPDATE] == 1
     assert graph.op_counts[step_ops.ATTENTION] == 1
     assert not [op for op in graph.op_counts if op.startswith("vllm::")], graph.op_counts
 

@@ -1,8 +1,10 @@
 """Attention compute for `CPU_BACKEND_ATTN`; replaces the host's
 `vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl`.
 
-The KV-cache write (`do_kv_cache_update`) runs before `forward`, so `forward`
-reads every key and value, new ones included, from the paged cache.
+`forward` first writes the step's keys and values into the paged cache (the
+backend declares `forward_includes_kv_cache_update`, so the host runs no
+separate update op; a layer sharing another layer's cache writes nothing),
+then reads every key and value, new ones included, from the cache.
 
 The KV-cache dtype (`--kv-cache-dtype`) is served by a handler from
 `cpu_backend.kv_cache` (float, fp8 with per-tensor scales, int8/fp8 with
@@ -69,6 +71,8 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
         self.kv_handler = handler_for(kv_cache_dtype)
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        # A layer reading another layer's cache leaves the writing to that layer.
+        self._writes_kv = kv_sharing_target_layer_name is None
         self.sliding_window = sliding_window
         self.params = paged_torch.AttentionParams(
             scale=self.scale,
@@ -128,6 +132,8 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
             return output
         type(self).forward_calls += 1
         md = attn_metadata
+        if self._writes_kv and key is not None and value is not None:
+            self.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
         k_scale, v_scale = _tensor_scales(layer)
         if self._use_native(query, kv_cache):
             num_tokens = md.token_req.shape[0]
@@ -173,49 +179,42 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
         return output
 
     def step_graph_ops(self, layer_name: str):
-        """Direct calls of this layer's native kernels for a step graph
+        """A direct call of this layer's native kernels for a step graph
         (`cpu_backend.attention.step_ops`), or None off the native path.
 
-        `kv_cache_update(key, value)` and `attention(query, output)` do what
-        `do_kv_cache_update` / `forward` do on the native path, looking the
-        layer (its cache and scales), the step's slot mapping and metadata up
-        in the forward context when they run, as the host's ops do.
+        `attention(query, key, value, output)` does what `forward` does on the
+        native path (cache write, then attention), looking the layer (its cache
+        and scales) and the step's metadata up in the forward context when it
+        runs, as the host's op does.
         """
         if self._native is not True:
             return None
         from vllm.forward_context import get_forward_context
 
-        # The ops' C++ entry points: a step graph calls these 2 x layers times
-        # per step, and OpOverload.__call__ is one Python frame around them.
+        # The ops' C++ entry points: a step graph calls this once per layer and
+        # step, and OpOverload.__call__ is one Python frame around each.
         write = torch.ops.cpu_backend.write_kv_cache.default._op
         attend = torch.ops.cpu_backend.paged_attention.default._op
         kv_format = self.kv_handler.kernel_format
         scale, window = self.scale, int(self.params.window or 0)
         softcap, alibi_slopes = float(self.params.softcap or 0.0), self.params.alibi_slopes
-        counter = type(self)
+        writes_kv, counter = self._writes_kv, type(self)
 
-        def kv_cache_update(key: torch.Tensor, value: torch.Tensor) -> None:
-            context = get_forward_context()
-            slots = context.slot_mapping.get(layer_name)
-            if slots is not None:
-                layer = context.no_compile_layers[layer_name]
-                k_scale, v_scale = _tensor_scales(layer)
-                if slots.dtype != torch.int64:
-                    slots = slots.long()
-                write(key, value, layer.kv_cache, slots, kv_format, k_scale, v_scale)
-
-        def attention(query: torch.Tensor, output: torch.Tensor) -> None:
+        def attention(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                      output: torch.Tensor) -> None:
             context = get_forward_context()
             md = context.attn_metadata[layer_name]
             if md is None:  # profiling run
                 return
             counter.forward_calls += 1
             layer = context.no_compile_layers[layer_name]
+            k_scale, v_scale = _tensor_scales(layer)
+            if writes_kv and key is not None and value is not None:
+                write(key, value, layer.kv_cache, md.slot_mapping, kv_format, k_scale, v_scale)
             num_tokens = md.token_req.shape[0]
             if num_tokens != query.shape[0]:  # padded step
                 output, query = output[:num_tokens], query[:num_tokens]
-            k_scale, v_scale = _tensor_scales(layer)
             attend(output, query, layer.kv_cache, md.block_table, md.token_req, md.token_pos,
                    scale, window, softcap, alibi_slopes, kv_format, k_scale, v_scale)
 
-        return kv_cache_update, attention
+        return attention
