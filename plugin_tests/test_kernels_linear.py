@@ -10,7 +10,8 @@ Grid: M in {1, 2, 3, 5, 8, 17, 64, 130} x (N, K) in {(1, 16), (17, 33),
 fp32} x x dtype {bf16, fp32} x {no bias, bias}, bf16 x also with float32 output
 (out_dtype, what the LM head asks for), plus edge cases (3-D and
 row-strided and column-major x, fp16 x, M = 0, K = 0, NaN, bad arguments, fake tensors and
-torch.library.opcheck). On the amx library bf16 x with at least 16 rows and an
+torch.library.opcheck); every grid case also through `linear_out` (the form writing into a
+given tensor), which must give the very same values. On the amx library bf16 x with at least 16 rows and an
 even K runs on AMX tiles: the grid's M >= 17 rows, K = 80 (a partial last k
 tile), M = 16 (the threshold) and M = 700 at K = 1536 (several row groups)
 cover its paths.
@@ -117,6 +118,11 @@ def _worker_grid(torch, L, nr, failures, worst):
                             y = L.linear(x, packed, n, b, out_dtype)
                             label = (f"M={m} N={n} K={k} w={wdtype} x={xdtype} bias={b is not None} "
                                      f"out={out_dtype}")
+                            # the form writing into a given tensor (step graphs' buffers)
+                            into = torch.full_like(y, float("nan"))
+                            torch.ops.cpu_backend.linear_out(into, x, packed, n, b)
+                            if not torch.equal(into, y):
+                                failures.append(f"{label}: linear_out differs from linear")
                             want = out_dtype or xdtype
                             if b is None:
                                 _check(torch, y, ref, scale, want, label, failures, worst)
@@ -193,6 +199,12 @@ def _worker_edges(torch, L, nr, failures, worst):
         "int out_dtype": lambda: L.linear(torch.randn(2, k), packed, n, None, torch.int32),
         "3-D weight": lambda: L.pack_linear_weight(torch.randn(2, 3, 4)),
         "not packed": lambda: L.linear(torch.randn(2, k), w, n),
+        "linear_out: wrong out shape": lambda: torch.ops.cpu_backend.linear_out(
+            torch.empty(2, n + 1), torch.randn(2, k), packed, n),
+        "linear_out: strided out": lambda: torch.ops.cpu_backend.linear_out(
+            torch.empty(n, 2).t(), torch.randn(2, k), packed, n),
+        "linear_out: int out": lambda: torch.ops.cpu_backend.linear_out(
+            torch.empty(2, n, dtype=torch.int32), torch.randn(2, k), packed, n),
     }
     for label, call in bad.items():
         try:
@@ -221,6 +233,8 @@ def _worker_edges(torch, L, nr, failures, worst):
         (torch.ops.cpu_backend.linear.default,
          (torch.randn(3, k).to(torch.bfloat16), packed, n, None, torch.float32)),
         (torch.ops.cpu_backend.pack_linear_weight.default, (w,)),
+        (torch.ops.cpu_backend.linear_out.default,
+         (torch.empty(3, n, dtype=torch.bfloat16), torch.randn(3, k).to(torch.bfloat16), packed, n, b32)),
     ):
         for check_name, outcome in torch.library.opcheck(op, op_args).items():
             if outcome != "SUCCESS":

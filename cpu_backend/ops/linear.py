@@ -106,4 +106,8 @@ def _register_fakes() -> None:
     def _(x, packed_weight, n, bias=None, out_dtype=None):
         return x.new_empty((*x.shape[:-1], n), dtype=out_dtype or x.dtype)
 
+    @torch.library.register_fake("cpu_backend::linear_out")
+    def _(out, x, packed_weight, n, bias=None):
+        return None
+
     _fakes_registered = True
