@@ -13,7 +13,9 @@ ATEN_CPU_CAPABILITY=avx2; ours on its avx2 library), as on an AVX2-only CPU;
 writes e2e_w8a8_avx2.md. `--avx-vnni-emulation`: the same with AVX-VNNI, as on
 an Intel client CPU (Alder Lake and later: AVX2 + 256-bit VNNI, no AVX-512):
 oneDNN at AVX2_VNNI, ATen at avx2, ours on its avx_vnni library; writes
-e2e_w8a8_avx_vnni.md. `--isa` forces our library only (not the host's).
+e2e_w8a8_avx_vnni.md. Under either emulation torch's CPU capability queries
+also hide AVX-512 and AMX (benchmarks/avx2_cpu), so the host loads its AVX2
+`_C` build. `--isa` forces our library only (not the host's).
 
 Model: integration/models.qwen25_05b_shape (Qwen2.5-0.5B's shape, random bf16
 weights, tied LM head in bf16), W8A8 dynamic per-token symmetric written once
@@ -89,7 +91,7 @@ def main() -> None:
     a = p.parse_args()
     isa_env = {}
     if a.avx2_emulation or a.avx_vnni_emulation:
-        from benchmarks.isa_runs import TORCH_ISA_ENV
+        from benchmarks.isa_runs import TORCH_ISA_ENV, as_avx2_cpu
 
         tier = "avx2" if a.avx2_emulation else "avx_vnni"
         isa_env = dict(TORCH_ISA_ENV[tier])
@@ -113,6 +115,8 @@ def main() -> None:
                 ("W8A8, host alone (VLLM_PLUGINS=none)", w8a8, False))
     for name, model, ours in variants:
         env = {**os.environ, **isa_env, "PYTHONPATH": str(REPO)}
+        if isa_env:  # the host on its AVX2 `_C` build too, as on such a CPU
+            env = as_avx2_cpu(env)
         if a.isa:
             env["VLLM_CPU_BACKEND_ISA"] = a.isa
         if not ours:
@@ -131,7 +135,9 @@ def main() -> None:
     base = rows[0][1]["gen_tok_s"]
     text = ["# 64-prompt throughput: W8A8 INT8 vs bf16 (Qwen2.5-0.5B shape)", "",
             f"Our kernel library: {rows[0][1].get('isa')}; "
-            + (f"{a.isa} emulation for every variant ({' '.join(f'{k}={v}' for k, v in isa_env.items())}); "
+            + (f"{a.isa} emulation for every variant ({' '.join(f'{k}={v}' for k, v in isa_env.items())}, "
+               "and torch's CPU capability queries without AVX-512/AMX, so the host loads its AVX2 "
+               "`_C` build: benchmarks/avx2_cpu); "
                if isa_env else "native ISA for every variant (the host's oneDNN picks its own); ")
             + f"{a.prompts} prompts x {a.prompt_len} tokens, {a.tokens} generated each, median of "
             f"{a.repeat}; async scheduling as each backend defaults. Command: "

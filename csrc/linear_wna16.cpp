@@ -519,11 +519,14 @@ void run_a8(const int32_t* ap, const float* sx, const float* asum, const uint8_t
 
 }  // namespace
 
-at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                        const at::Tensor& zs, int64_t bits, int64_t group_size, int64_t n,
-                        const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias,
-                        std::optional<at::ScalarType> out_dtype, bool int8_act) {
-  const char* op = "cpu_backend::wna16_linear";
+namespace {
+
+// wna16_linear into `into` when given (wna16_linear_out), else into a new tensor.
+at::Tensor wna16_linear_into(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                             const at::Tensor& zs, int64_t bits, int64_t group_size, int64_t n,
+                             const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias,
+                             std::optional<at::ScalarType> out_dtype, bool int8_act, const at::Tensor* into) {
+  const char* op = into != nullptr ? "cpu_backend::wna16_linear_out" : "cpu_backend::wna16_linear";
   TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
   TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.size(2) == kBlockBytes &&
                   qweight.is_contiguous(),
@@ -565,7 +568,15 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
               out_type);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options().dtype(out_type).memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out;
+  if (into != nullptr) {
+    TORCH_CHECK(into->sizes() == at::IntArrayRef(out_shape) && into->is_contiguous() && into->device().is_cpu(),
+                op, ": out must be a contiguous CPU tensor of shape ", at::IntArrayRef(out_shape), ", got ",
+                into->sizes());
+    out = *into;
+  } else {
+    out = at::empty(out_shape, x.options().dtype(out_type).memory_format(at::MemoryFormat::Contiguous));
+  }
   const int64_t M = out.numel() / n;
   if (M == 0) return out;
 
@@ -642,12 +653,36 @@ at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at
   return out;
 }
 
+}  // namespace
+
+at::Tensor wna16_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const at::Tensor& zs, int64_t bits, int64_t group_size, int64_t n,
+                        const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias,
+                        std::optional<at::ScalarType> out_dtype, bool int8_act) {
+  return wna16_linear_into(x, qweight, scales, zs, bits, group_size, n, perm, bias, out_dtype, int8_act, nullptr);
+}
+
+// wna16_linear into a given tensor (its dtype is the output's): step graphs
+// (cpu_backend.worker.step_graphs) call this with preallocated buffers.
+void wna16_linear_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const at::Tensor& zs, int64_t bits, int64_t group_size, int64_t n,
+                      const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias,
+                      bool int8_act) {
+  wna16_linear_into(x, qweight, scales, zs, bits, group_size, n, perm, bias, out.scalar_type(), int8_act, &out);
+}
+
 }  // namespace cpu_backend
 
 TORCH_LIBRARY_FRAGMENT(cpu_backend, m) {
   m.def(
       "wna16_linear(Tensor x, Tensor qweight, Tensor scales, Tensor zs, int bits, int group_size, int n, "
       "Tensor? perm=None, Tensor? bias=None, ScalarType? out_dtype=None, bool int8_act=False) -> Tensor");
+  m.def(
+      "wna16_linear_out(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zs, int bits, "
+      "int group_size, int n, Tensor? perm=None, Tensor? bias=None, bool int8_act=False) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(cpu_backend, CPU, m) { m.impl("wna16_linear", &cpu_backend::wna16_linear); }
+TORCH_LIBRARY_IMPL(cpu_backend, CPU, m) {
+  m.impl("wna16_linear", &cpu_backend::wna16_linear);
+  m.impl("wna16_linear_out", &cpu_backend::wna16_linear_out);
+}

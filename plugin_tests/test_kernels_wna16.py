@@ -72,6 +72,12 @@ def _worker() -> dict:
         worst = max(worst, float((err / tol).max()))
         if y.dtype != out_dtype or y.shape != want.shape or not bool((err <= tol).all()):
             failures.append(f"{label}: max err {float(err.max()):.3g}")
+        # the form writing into a given tensor (step graphs' buffers): the very same values
+        into = torch.full_like(y, float("nan"))
+        torch.ops.cpu_backend.wna16_linear_out(into, x, lay["qweight"], lay["scales"], lay["zs"], bits,
+                                               lay["group_size"], n, lay["perm"], bias, int8_act)
+        if not torch.equal(into, y):
+            failures.append(f"{label}: wna16_linear_out differs from wna16_linear")
 
     def same_without_zs(label, x, lay, lay0, bits, n, bias, int8_act=False):
         nonlocal sym_cases
@@ -188,6 +194,10 @@ def test_wna16_linear_rejects_bad_operands():
     q8 = torch.zeros(1, 16, 64, dtype=torch.uint8)  # the same K in 8-bit
     with pytest.raises(RuntimeError, match="int8_act needs 4-bit weights"):
         torch.ops.cpu_backend.wna16_linear(x, q8, s, s, 8, 32, 16, int8_act=True)
+    with pytest.raises(RuntimeError, match=r"wna16_linear_out: out must be a contiguous CPU tensor of shape \[1, 16\]"):
+        torch.ops.cpu_backend.wna16_linear_out(torch.empty(1, 17), x, q, s, s, 4, 32, 16)
+    with pytest.raises(RuntimeError, match="wna16_linear_out: out_dtype must be float32"):
+        torch.ops.cpu_backend.wna16_linear_out(torch.empty(1, 16, dtype=torch.int32), x, q, s, s, 4, 32, 16)
     with pytest.raises(RuntimeError, match="int8_act needs 4-bit weights and a group size"):
         torch.ops.cpu_backend.wna16_linear(torch.randn(1, 32), torch.zeros(1, 4, 64, dtype=torch.uint8),
                                            torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), 4, 16, 16,

@@ -22,7 +22,7 @@ become calls of our attention kernels). Recording costs about one step plus
 
 As in a CUDA graph's memory pool, a step's scratch activations live in
 buffers the graph allocates once (`_Recorder._plan_buffers`): each `empty`,
-and each result of our linear (recorded as its `linear_out` form), that only
+and each result of our linears (recorded as their `..._out` forms), that only
 aten's and our ops read and that the step does not return, reads a buffer
 shared with the allocations whose uses do not overlap; views and splits of a
 buffer become constants. A SmolLM2-135M decode step replays 274 calls
@@ -130,8 +130,9 @@ class _Recorder(TorchDispatchMode):
         else:
             op_name = getattr(func, "name", lambda: str(func))()
             into = _OUT_FORMS.get(op_name)
-            if into is not None and isinstance(out, torch.Tensor) and out.is_contiguous():
-                return self._record_into(into, op_name, out, args, kwargs)
+            if (into is not None and isinstance(out, torch.Tensor) and out.is_contiguous()
+                    and out.numel() > 0):
+                return self._record_into(into, op_name, func, out, args, kwargs)
         read: list[str] = []
         call = ", ".join([self._expr(a, read) for a in args]
                          + [f"{k}={self._expr(v, read)}" for k, v in kwargs.items()])
@@ -155,7 +156,7 @@ class _Recorder(TorchDispatchMode):
                     self.names[id(item)] = f"{target}[{index}]"
         return out
 
-    def _record_into(self, into: _OutForm, op_name: str, out: torch.Tensor, args: tuple,
+    def _record_into(self, into: _OutForm, op_name: str, func, out: torch.Tensor, args: tuple,
                      kwargs: dict) -> torch.Tensor:
         """Records an op that allocates its result as an `empty` of the result's
         shape and a call of the op's form that writes into it, so the result
@@ -170,7 +171,7 @@ class _Recorder(TorchDispatchMode):
         self.fresh[buffer] = out
         self.names[id(out)] = buffer
         read = [buffer]
-        call = ", ".join([buffer] + [self._expr(a, read) for a in into.arguments(args, kwargs)])
+        call = ", ".join([buffer] + [self._expr(a, read) for a in into.arguments(func, args, kwargs)])
         target = f"v{len(self.lines)}"
         self.lines.append((f"{target} = {self._constant(into.op)}({call})", read))
         self.line_ops.append(op_name)
@@ -256,6 +257,8 @@ class _Recorder(TorchDispatchMode):
             tensor = self.fresh.get(target)
             if tensor is None:
                 continue
+            if len(self.storages[target]) != 1:
+                continue
             (storage,) = self.storages[target]
             if storage in output_storages or not all(
                     op.startswith(_POOLABLE_READERS) for op in readers.get(storage, ())):
@@ -293,25 +296,30 @@ _POOLABLE_READERS = ("aten::", "cpu_backend::")
 
 
 class _OutForm:
-    """An op's form that writes into a given tensor: `op(out, *arguments)`."""
+    """An op's form that writes into a given tensor, `op(out, *arguments)`,
+    taking the op's arguments by name (the out tensor's dtype stands for an
+    `out_dtype` argument)."""
 
-    def __init__(self, op_name: str, arguments: Callable[[tuple, dict], tuple]):
+    def __init__(self, op_name: str):
         self.op_name = op_name
-        self.arguments = arguments  # (args, kwargs) of the op -> the form's arguments after out
 
     @property
     def op(self):
         namespace, name = self.op_name.split("::")
         return getattr(getattr(torch.ops, namespace), name).default._op
 
-
-def _linear_arguments(args: tuple, kwargs: dict) -> tuple:
-    x, weight, n, *rest = args
-    return x, weight, n, rest[0] if rest else kwargs.get("bias")
+    def arguments(self, func, args: tuple, kwargs: dict) -> tuple:
+        bound = {a.name: value for a, value in zip(func._schema.arguments, args)}
+        bound.update(kwargs)
+        namespace, name = self.op_name.split("::")
+        schema = getattr(getattr(torch.ops, namespace), name).default._schema
+        return tuple(bound[a.name] if a.name in bound else a.default_value
+                     for a in schema.arguments[1:])
 
 
 # Our ops that allocate their result, by name -> the form writing into a buffer.
-_OUT_FORMS = {"cpu_backend::linear": _OutForm("cpu_backend::linear_out", _linear_arguments)}
+_OUT_FORMS = {"cpu_backend::linear": _OutForm("cpu_backend::linear_out"),
+              "cpu_backend::wna16_linear": _OutForm("cpu_backend::wna16_linear_out")}
 
 
 def _rebase(view, buffer: torch.Tensor):
