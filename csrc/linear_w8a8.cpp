@@ -221,12 +221,12 @@ Quantized quantize(const char* op, const at::Tensor& x, int64_t K4, std::optiona
   return r;
 }
 
-}  // namespace
-
-at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& wsum,
-                       const at::Tensor& w_scale, int64_t n, std::optional<double> input_scale,
-                       std::optional<int64_t> input_zp, bool symmetric, const std::optional<at::Tensor>& bias) {
-  const char* op = "cpu_backend::w8a8_linear";
+// w8a8_linear into `into` when given (w8a8_linear_out), else into a new tensor of x's dtype.
+at::Tensor w8a8_linear_into(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& wsum,
+                            const at::Tensor& w_scale, int64_t n, std::optional<double> input_scale,
+                            std::optional<int64_t> input_zp, bool symmetric, const std::optional<at::Tensor>& bias,
+                            const at::Tensor* into) {
+  const char* op = into != nullptr ? "cpu_backend::w8a8_linear_out" : "cpu_backend::w8a8_linear";
   check_weights(op, qweight, wsum, n);
   const int64_t P = qweight.size(0);
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.dim() == 1 &&
@@ -236,7 +236,16 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
 
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out;
+  if (into != nullptr) {
+    TORCH_CHECK(into->sizes() == at::IntArrayRef(out_shape) && into->is_contiguous() && into->device().is_cpu() &&
+                    is_supported_float(into->scalar_type()),
+                op, ": out must be a contiguous float32/bfloat16/float16 CPU tensor of shape ",
+                at::IntArrayRef(out_shape), ", got ", into->sizes(), " ", into->scalar_type());
+    out = *into;
+  } else {
+    out = at::empty(out_shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  }
   if (qa.M == 0) return out;
   at::Tensor bias_f32;
   if (bias.has_value() && bias->defined()) bias_f32 = padded_f32(op, *bias, n, P * kNR);
@@ -271,6 +280,22 @@ at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
               });
   });
   return out;
+}
+
+}  // namespace
+
+at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& wsum,
+                       const at::Tensor& w_scale, int64_t n, std::optional<double> input_scale,
+                       std::optional<int64_t> input_zp, bool symmetric, const std::optional<at::Tensor>& bias) {
+  return w8a8_linear_into(x, qweight, wsum, w_scale, n, input_scale, input_zp, symmetric, bias, nullptr);
+}
+
+// w8a8_linear into a given tensor: step graphs (cpu_backend.worker.step_graphs)
+// call this with preallocated buffers.
+void w8a8_linear_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& wsum,
+                     const at::Tensor& w_scale, int64_t n, std::optional<double> input_scale,
+                     std::optional<int64_t> input_zp, bool symmetric, const std::optional<at::Tensor>& bias) {
+  w8a8_linear_into(x, qweight, wsum, w_scale, n, input_scale, input_zp, symmetric, bias, &out);
 }
 
 // The activation quantization alone: (q int8 [M, K], scale fp32 [M], zp int32 [M]).
@@ -313,6 +338,9 @@ TORCH_LIBRARY_FRAGMENT(cpu_backend, m) {
   m.def(
       "w8a8_linear(Tensor x, Tensor qweight, Tensor wsum, Tensor w_scale, int n, float? input_scale=None, "
       "int? input_zp=None, bool symmetric=True, Tensor? bias=None) -> Tensor");
+  m.def(
+      "w8a8_linear_out(Tensor(a!) out, Tensor x, Tensor qweight, Tensor wsum, Tensor w_scale, int n, "
+      "float? input_scale=None, int? input_zp=None, bool symmetric=True, Tensor? bias=None) -> ()");
   m.def("w8a8_quantize(Tensor x, float? input_scale=None, int? input_zp=None, bool symmetric=True) -> "
         "(Tensor, Tensor, Tensor)");
   m.def("w8a8_int_mm(Tensor q, Tensor qweight, Tensor wsum, int n) -> Tensor");
@@ -320,6 +348,7 @@ TORCH_LIBRARY_FRAGMENT(cpu_backend, m) {
 
 TORCH_LIBRARY_IMPL(cpu_backend, CPU, m) {
   m.impl("w8a8_linear", &cpu_backend::w8a8_linear);
+  m.impl("w8a8_linear_out", &cpu_backend::w8a8_linear_out);
   m.impl("w8a8_quantize", &cpu_backend::w8a8_quantize);
   m.impl("w8a8_int_mm", &cpu_backend::w8a8_int_mm);
 }

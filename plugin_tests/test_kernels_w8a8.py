@@ -128,6 +128,12 @@ def _worker() -> dict:
                     err = (y.double() - want).abs()
                     if y.dtype != dt or y.shape != want.shape or not bool((err <= tol).all()):
                         failures.append(f"linear {tag}: max err {float(err.max()):.3g}")
+                    # the form writing into a given tensor (step graphs' buffers): the same values
+                    into = torch.full_like(y, float("nan"))
+                    torch.ops.cpu_backend.w8a8_linear_out(into, x, lay["qweight"], lay["wsum"],
+                                                          lay["w_scale"], n, scale, zp, sym, bias)
+                    if not torch.equal(into, y):
+                        failures.append(f"linear {tag}: w8a8_linear_out differs from w8a8_linear")
     return {"isa": isa, "failures": failures, "cases": cases}
 
 
@@ -157,6 +163,9 @@ def test_w8a8_linear_rejects_bad_operands():
         torch.ops.cpu_backend.w8a8_linear(x, lay["qweight"], lay["wsum"], lay["w_scale"], 20, 0.0)
     with pytest.raises(RuntimeError, match="qweight must be"):
         torch.ops.cpu_backend.w8a8_linear(x, lay["qweight"].float(), lay["wsum"], lay["w_scale"], 20)
+    with pytest.raises(RuntimeError, match=r"w8a8_linear_out: out must be .* shape \[2, 20\]"):
+        torch.ops.cpu_backend.w8a8_linear_out(torch.empty(2, 21), x, lay["qweight"], lay["wsum"],
+                                              lay["w_scale"], 20)
     with pytest.raises(ValueError, match="int8"):
         kernel_layout(torch.zeros(4, 4), torch.ones(4))
 

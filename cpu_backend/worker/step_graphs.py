@@ -319,7 +319,8 @@ class _OutForm:
 
 # Our ops that allocate their result, by name -> the form writing into a buffer.
 _OUT_FORMS = {"cpu_backend::linear": _OutForm("cpu_backend::linear_out"),
-              "cpu_backend::wna16_linear": _OutForm("cpu_backend::wna16_linear_out")}
+              "cpu_backend::wna16_linear": _OutForm("cpu_backend::wna16_linear_out"),
+              "cpu_backend::w8a8_linear": _OutForm("cpu_backend::w8a8_linear_out")}
 
 
 def _rebase(view, buffer: torch.Tensor):
