@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "vec/vec_common.h"
 
@@ -69,6 +70,25 @@ inline at::Tensor padded_f32(const char* op, const at::Tensor& bias, int64_t n, 
   });
   std::fill(dst + n, dst + padded, 0.0f);
   return out;
+}
+
+// A linear op's result: x's leading shape with n columns. A given `into` (the
+// op's _out form, called by step graphs with preallocated buffers) is checked
+// and used; else a fresh contiguous tensor of out_type.
+inline at::Tensor linear_result(const char* op, const at::Tensor& x, int64_t n, at::ScalarType out_type,
+                                const at::Tensor* into) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  if (into == nullptr) {
+    TORCH_CHECK(is_supported_float(out_type), op, ": out_dtype must be float32, bfloat16 or float16, got ",
+                out_type);
+    return at::empty(shape, x.options().dtype(out_type).memory_format(at::MemoryFormat::Contiguous));
+  }
+  TORCH_CHECK(into->sizes() == at::IntArrayRef(shape) && into->is_contiguous() && into->device().is_cpu() &&
+                  is_supported_float(into->scalar_type()),
+              op, ": out must be a contiguous float32/bfloat16/float16 CPU tensor of shape ", at::IntArrayRef(shape),
+              ", got ", into->sizes(), " ", into->scalar_type());
+  return *into;
 }
 
 // x [..., K] as M rows of K unit-stride values: the tensor to read and its

@@ -435,13 +435,7 @@ void linear_into(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed_
 at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t n,
                   const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> out_dtype) {
   check_linear_args(x, packed_weight, n);
-  const at::ScalarType out_type = out_dtype.value_or(x.scalar_type());
-  TORCH_CHECK(is_supported_float(out_type),
-              "cpu_backend::linear: out_dtype must be float32, bfloat16 or float16, got ", out_type);
-
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options().dtype(out_type).memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = linear_result("cpu_backend::linear", x, n, out_dtype.value_or(x.scalar_type()), nullptr);
   linear_into(out, x, packed_weight, n, bias);
   return out;
 }
@@ -451,12 +445,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed_weight, int64_t 
 void linear_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed_weight, int64_t n,
                 const std::optional<at::Tensor>& bias) {
   check_linear_args(x, packed_weight, n);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  TORCH_CHECK(out.sizes() == at::IntArrayRef(out_shape) && out.is_contiguous() &&
-                  is_supported_float(out.scalar_type()) && out.device().is_cpu(),
-              "cpu_backend::linear_out: out must be a contiguous float32/bfloat16/float16 CPU tensor of shape ",
-              at::IntArrayRef(out_shape), ", got ", out.sizes());
+  linear_result("cpu_backend::linear_out", x, n, out.scalar_type(), &out);
   linear_into(out, x, packed_weight, n, bias);
 }
 

@@ -234,18 +234,7 @@ at::Tensor w8a8_linear_into(const at::Tensor& x, const at::Tensor& qweight, cons
               op, ": w_scale must be contiguous float32 [", P * kNR, "], got ", w_scale.sizes());
   Quantized qa = quantize(op, x, qweight.size(1), input_scale, input_zp, symmetric, kActXor);
 
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out;
-  if (into != nullptr) {
-    TORCH_CHECK(into->sizes() == at::IntArrayRef(out_shape) && into->is_contiguous() && into->device().is_cpu() &&
-                    is_supported_float(into->scalar_type()),
-                op, ": out must be a contiguous float32/bfloat16/float16 CPU tensor of shape ",
-                at::IntArrayRef(out_shape), ", got ", into->sizes(), " ", into->scalar_type());
-    out = *into;
-  } else {
-    out = at::empty(out_shape, x.options().memory_format(at::MemoryFormat::Contiguous));
-  }
+  at::Tensor out = linear_result(op, x, n, x.scalar_type(), into);
   if (qa.M == 0) return out;
   at::Tensor bias_f32;
   if (bias.has_value() && bias->defined()) bias_f32 = padded_f32(op, *bias, n, P * kNR);

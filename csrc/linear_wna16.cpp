@@ -563,20 +563,7 @@ at::Tensor wna16_linear_into(const at::Tensor& x, const at::Tensor& qweight, con
     perm_ptr = perm_c.const_data_ptr<int64_t>();
   }
 
-  const at::ScalarType out_type = out_dtype.value_or(x.scalar_type());
-  TORCH_CHECK(is_supported_float(out_type), op, ": out_dtype must be float32, bfloat16 or float16, got ",
-              out_type);
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out;
-  if (into != nullptr) {
-    TORCH_CHECK(into->sizes() == at::IntArrayRef(out_shape) && into->is_contiguous() && into->device().is_cpu(),
-                op, ": out must be a contiguous CPU tensor of shape ", at::IntArrayRef(out_shape), ", got ",
-                into->sizes());
-    out = *into;
-  } else {
-    out = at::empty(out_shape, x.options().dtype(out_type).memory_format(at::MemoryFormat::Contiguous));
-  }
+  at::Tensor out = linear_result(op, x, n, out_dtype.value_or(x.scalar_type()), into);
   const int64_t M = out.numel() / n;
   if (M == 0) return out;
 

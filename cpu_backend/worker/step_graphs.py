@@ -303,18 +303,20 @@ class _OutForm:
     def __init__(self, op_name: str):
         self.op_name = op_name
 
+    def _overload(self):
+        # Looked up when recording: our ops exist once the extension is loaded.
+        namespace, name = self.op_name.split("::")
+        return getattr(getattr(torch.ops, namespace), name).default
+
     @property
     def op(self):
-        namespace, name = self.op_name.split("::")
-        return getattr(getattr(torch.ops, namespace), name).default._op
+        return self._overload()._op
 
     def arguments(self, func, args: tuple, kwargs: dict) -> tuple:
         bound = {a.name: value for a, value in zip(func._schema.arguments, args)}
         bound.update(kwargs)
-        namespace, name = self.op_name.split("::")
-        schema = getattr(getattr(torch.ops, namespace), name).default._schema
         return tuple(bound[a.name] if a.name in bound else a.default_value
-                     for a in schema.arguments[1:])
+                     for a in self._overload()._schema.arguments[1:])
 
 
 # Our ops that allocate their result, by name -> the form writing into a buffer.
