@@ -46,42 +46,50 @@ void rotate_heads(T* x, int64_t num_heads, int64_t head_size, const C* cos, cons
   }
 }
 
-int64_t heads_of(const at::Tensor& t, int64_t tokens, int64_t head_size, const char* name) {
-  TORCH_CHECK(t.size(0) == tokens && t.stride(-1) == 1, "rotary_embedding: ", name,
-              " must be [tokens, ...] with its first dim matching positions and a contiguous last dim");
-  const int64_t per_token = t.numel() / std::max<int64_t>(tokens, 1);
+// The heads of one token in t ([tokens, H*D] or [tokens, H, D], heads
+// contiguous within a token) and the token stride. Read off the sizes and
+// strides: no view per call (a decode step calls this once per layer).
+struct TokenHeads {
+  int64_t heads;
+  int64_t stride;
+};
+TokenHeads heads_of(const at::Tensor& t, int64_t tokens, int64_t head_size, const char* name) {
+  TORCH_CHECK((t.dim() == 2 || t.dim() == 3) && t.size(0) == tokens && t.stride(-1) == 1, "rotary_embedding: ",
+              name, " must be [tokens, heads * head_size] or [tokens, heads, head_size] with its first dim "
+              "matching positions and a contiguous last dim, got ", t.sizes());
+  const int64_t per_token = t.dim() == 2 ? t.size(1) : t.size(1) * t.size(2);
   TORCH_CHECK(per_token % head_size == 0, "rotary_embedding: ", name, " holds ", per_token,
               " elements per token, not a multiple of head_size ", head_size);
-  // heads of one token must be contiguous: [tokens, H*D] or [tokens, H, D]
-  TORCH_CHECK(t.dim() == 2 || (t.dim() == 3 && t.stride(1) == t.size(2)), "rotary_embedding: ", name,
+  TORCH_CHECK(t.dim() == 2 || t.size(1) <= 1 || t.stride(1) == t.size(2), "rotary_embedding: ", name,
               " heads must be contiguous within a token");
-  return per_token / head_size;
+  return {per_token / head_size, t.stride(0)};
 }
 
 }  // namespace
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& query, const std::optional<at::Tensor>& key,
                       int64_t head_size, const at::Tensor& cos_sin_cache, bool is_neox) {
-  const at::Tensor pos = positions.reshape(-1).to(at::kLong).contiguous();
+  // positions as contiguous int64: the engine's own tensor as it is, else a copy
+  const bool direct = positions.scalar_type() == at::kLong && positions.is_contiguous();
+  const at::Tensor pos = direct ? positions : positions.reshape(-1).to(at::kLong).contiguous();
   const int64_t tokens = pos.numel();
   TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.is_contiguous(),
               "rotary_embedding: cos_sin_cache must be a contiguous [max_position, rotary_dim]");
   const int64_t rot = cos_sin_cache.size(1), half = rot / 2;
   TORCH_CHECK(rot % 2 == 0 && rot <= head_size, "rotary_embedding: rotary_dim ", rot,
               " must be even and at most head_size ", head_size);
-  const at::Tensor q2 = query.dim() == 3 ? query : query.view({tokens, -1});
-  const int64_t hq = heads_of(q2, tokens, head_size, "query");
-  int64_t hk = 0;
+  const TokenHeads q = heads_of(query, tokens, head_size, "query");
+  TokenHeads k{0, 0};
   if (key.has_value()) {
     TORCH_CHECK(key->scalar_type() == query.scalar_type(), "rotary_embedding: key must have query's dtype");
-    hk = heads_of(key->dim() == 3 ? *key : key->view({tokens, -1}), tokens, head_size, "key");
+    k = heads_of(*key, tokens, head_size, "key");
   }
-  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* pp = pos.const_data_ptr<int64_t>();
   const int64_t max_pos = cos_sin_cache.size(0);
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "rotary_embedding: position ", pp[t],
                 " outside the cos/sin cache of ", max_pos, " positions");
-  const int64_t qs = query.stride(0), ks = key.has_value() ? key->stride(0) : 0;
+  const int64_t hq = q.heads, hk = k.heads, qs = q.stride, ks = k.stride;
   dispatch_float(query.scalar_type(), "rotary_embedding query", [&](auto qtag) {
     using T = typename decltype(qtag)::type;
     dispatch_float(cos_sin_cache.scalar_type(), "rotary_embedding cos_sin_cache", [&](auto ctag) {

@@ -140,7 +140,9 @@ def _rotary_failures(gen) -> list[str]:
                 qkv = torch.randn(tokens, (hq + 2 * hk) * hs, generator=gen).to(dtype)
                 q, k = qkv[:, : hq * hs], qkv[:, hq * hs : (hq + hk) * hs]  # row-strided views
                 want_q, want_k = RotaryEmbedding.forward_static(positions, q.clone(), k.clone(), hs, rot, cache, neox)
-                torch.ops.cpu_backend.rotary_embedding(positions, q, k, hs, cache, neox)
+                # int64 positions are read in place; others (int32 here) through a copy
+                pos_arg = positions.int() if tokens == 7 else positions
+                torch.ops.cpu_backend.rotary_embedding(pos_arg, q, k, hs, cache, neox)
                 label = f"{name} hs{hs} rot{rot} {'neox' if neox else 'gptj'} t{tokens}"
                 # 2 ulps at the largest input magnitude
                 tol = 2.0 ** (math.floor(math.log2(float(qkv.float().abs().max()))) - mantissa[name] + 1)
@@ -189,6 +191,10 @@ def test_bad_arguments_name_the_problem():
     q = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="outside the cos/sin cache"):
         torch.ops.cpu_backend.rotary_embedding(torch.tensor([0, 16]), q, None, 64, cache, True)
+    with pytest.raises(RuntimeError, match=r"query must be \[tokens, heads \* head_size\]"):
+        torch.ops.cpu_backend.rotary_embedding(torch.tensor([0, 1]), q.view(2, 1, 1, 64), None, 64, cache, True)
+    with pytest.raises(RuntimeError, match="not a multiple of head_size 48"):
+        torch.ops.cpu_backend.rotary_embedding(torch.tensor([0, 1]), q, None, 48, _cos_sin_cache(48, 16, torch.float32), True)
     with pytest.raises(RuntimeError, match="approximate must be"):
         torch.ops.cpu_backend.gelu_and_mul(torch.empty(2, 32), q, "erf")
     with pytest.raises(RuntimeError, match="out must be"):
