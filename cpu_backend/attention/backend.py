@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+import numpy as np
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -136,38 +137,38 @@ class CpuBackendMetadataBuilder(AttentionMetadataBuilder[CpuBackendAttentionMeta
         common_attn_metadata: CommonAttentionMetadata,
         fast_build: bool = False,
     ) -> CpuBackendAttentionMetadata:
+        # The step's lengths are a few numbers on the CPU: numpy, where each
+        # torch op on them costs a few microseconds of dispatch (one build
+        # per decode step).
         cm = common_attn_metadata
         num_reqs = cm.num_reqs
-        starts = cm.query_start_loc_cpu[: num_reqs + 1].long()
-        query_lens = starts[1:] - starts[:-1]
-        seq_lens = cm.seq_lens[:num_reqs].to("cpu", torch.long)
+        starts = cm.query_start_loc_cpu[: num_reqs + 1].numpy().astype(np.int64)
+        query_lens = np.diff(starts)
+        seq_lens = cm.seq_lens[:num_reqs].numpy().astype(np.int64)
 
         is_decode = query_lens == 1
-        decode_req_idx = torch.nonzero(is_decode).flatten()
-        decode_token_idx = starts[:-1][decode_req_idx]
+        decode_req_idx = np.flatnonzero(is_decode)
+        decode_token_idx = starts[decode_req_idx]
         decode_seq_lens = seq_lens[decode_req_idx]
-        num_decodes = decode_req_idx.shape[0]
+        num_decodes = len(decode_req_idx)
 
         num_tokens = int(starts[-1])
-        token_req = torch.repeat_interleave(torch.arange(num_reqs), query_lens, output_size=num_tokens)
-        token_pos = (seq_lens - query_lens)[token_req] + torch.arange(num_tokens) - starts[token_req]
+        token_req = np.repeat(np.arange(num_reqs, dtype=np.int64), query_lens)
+        token_pos = (seq_lens - query_lens)[token_req] + np.arange(num_tokens) - starts[token_req]
 
-        prefill_reqs = torch.nonzero(~is_decode & (query_lens > 0)).flatten().tolist()
-        starts_list, lens_list, seq_list = starts.tolist(), query_lens.tolist(), seq_lens.tolist()
-        prefills = [(r, starts_list[r], lens_list[r], seq_list[r]) for r in prefill_reqs]
+        prefills = [(int(r), int(starts[r]), int(query_lens[r]), int(seq_lens[r]))
+                    for r in np.flatnonzero(~is_decode & (query_lens > 0))]
 
         return CpuBackendAttentionMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping.long(),  # the write kernel takes int64
-            decode_token_idx=decode_token_idx,
-            decode_req_idx=decode_req_idx,
-            decode_seq_lens=decode_seq_lens,
+            decode_token_idx=torch.from_numpy(decode_token_idx),
+            decode_req_idx=torch.from_numpy(decode_req_idx.astype(np.int64)),
+            decode_seq_lens=torch.from_numpy(decode_seq_lens),
             decode_max_seq_len=int(decode_seq_lens.max()) if num_decodes else 0,
-            decodes_are_leading=bool(
-                num_decodes == 0 or int(decode_token_idx[-1]) == num_decodes - 1
-            ),
+            decodes_are_leading=bool(num_decodes == 0 or int(decode_token_idx[-1]) == num_decodes - 1),
             prefills=prefills,
-            token_req=token_req.to(torch.int32),
-            token_pos=token_pos.to(torch.int32),
+            token_req=torch.from_numpy(token_req.astype(np.int32)),
+            token_pos=torch.from_numpy(token_pos.astype(np.int32)),
         )

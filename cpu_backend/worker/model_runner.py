@@ -12,7 +12,9 @@ moved onto them (`load_model`; not with LoRA, whose adapters write into
 weight views we do not track). Small steps run from
 captured graphs (`step_graphs`), through the host's `_model_forward` hook,
 with the host's attention ops lowered to our kernels (`attention.step_ops`).
-Greedy sampling runs our argmax kernel (`sampler`).
+Greedy sampling runs our argmax kernel (`sampler`). A batch of one request
+skips the host's decode/prefill reordering (`_may_reorder_batch`), which has
+nothing to move.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ logger = init_logger(f"vllm.{__name__}")
 WARM_UP_TOKENS = 16
 _HOST_KV_INIT_PARAMS = list(inspect.signature(CPUModelRunner.initialize_kv_cache).parameters)
 _HOST_FORWARD_PARAMS = list(inspect.signature(CPUModelRunner._model_forward).parameters)
+_HOST_REORDER_PARAMS = list(inspect.signature(CPUModelRunner._may_reorder_batch).parameters)
 # KV-cache layouts whose layers keep no state but the cache the attention ops
 # write: replaying a step on the same inputs changes nothing.
 _STATELESS_KV_SPECS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
@@ -111,6 +114,14 @@ class CpuBackendModelRunner(CPUModelRunner):
                 return graphs(input_ids, positions)
             return super()._model_forward(input_ids, positions, intermediate_tensors,
                                           inputs_embeds, **model_kwargs)
+
+    if _HOST_REORDER_PARAMS == ["self", "scheduler_output"]:
+
+        def _may_reorder_batch(self, scheduler_output) -> None:
+            # A batch of one request is in every order already: skip the
+            # host's ~20 numpy operations (~0.15 ms of a batch-1 decode step).
+            if len(self.input_batch.req_ids) > 1:
+                super()._may_reorder_batch(scheduler_output)
 
     def _step_graphs(self) -> StepGraphs | None:
         """This engine's step graphs, or None where steps must run eagerly."""
