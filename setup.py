@@ -51,6 +51,7 @@ SOURCES = [
     "csrc/activation.cpp",
     "csrc/argmax.cpp",
     "csrc/rotary.cpp",
+    "csrc/prologue_linear.cpp",  # step-graph composites: norm/activation + linear
     "csrc/threads.cpp",  # OpenMP thread pinning (ISA-independent)
 ]
 DEPENDS = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*.h"))]

@@ -48,4 +48,10 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tens
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const std::optional<at::Tensor>& weight,
                         double eps);
 
+// linear into a given contiguous tensor of x's leading shape and n columns (linear.cpp).
+void linear_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed_weight, int64_t n,
+                const std::optional<at::Tensor>& bias);
+// out = silu(x[..., :d]) * x[..., d:] (activation.cpp).
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+
 }  // namespace cpu_backend

@@ -181,6 +181,55 @@ def test_activations_live_in_buffers_preallocated_at_capture(foreign_reader):
     assert torch.equal(first, kept)
 
 
+class PrologueStep(torch.nn.Module):
+    """A decoder layer's in-place ops right before our linears that read their
+    result (residual add + RMSNorm before gate_up, SiLU-and-mul before down),
+    and two norms that must stay calls of their own: one whose result another
+    op reads first, one followed by a linear reading a different tensor."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.gate_up = torch.ops.cpu_backend.pack_linear_weight(torch.randn(4 * HIDDEN, HIDDEN) / 8)
+        self.gate_up_bias = torch.randn(4 * HIDDEN)
+        self.down = torch.ops.cpu_backend.pack_linear_weight(torch.randn(HIDDEN, 2 * HIDDEN) / 8)
+        self.proj = torch.ops.cpu_backend.pack_linear_weight(torch.randn(HIDDEN, HIDDEN) / 8)
+        self.norm_weight = torch.rand(HIDDEN) + 0.5
+
+    def forward(self, input_ids, positions):
+        ops_ = torch.ops.cpu_backend
+        x = self.embed(input_ids)
+        residual = positions[:, None].float().expand(-1, HIDDEN).contiguous()
+        ops_.fused_add_rms_norm(x, residual, self.norm_weight, 1e-6)
+        gate_up = ops_.linear(x, self.gate_up, 4 * HIDDEN, self.gate_up_bias)
+        act = torch.empty(input_ids.shape[0], 2 * HIDDEN)
+        ops_.silu_and_mul(act, gate_up)
+        down = ops_.linear(act, self.down, HIDDEN)
+        ops_.fused_add_rms_norm(down, residual, self.norm_weight, 1e-6)
+        scaled = down * 2  # read before the linear: no composite
+        out = ops_.linear(down, self.proj, HIDDEN)
+        ops_.fused_add_rms_norm(out, residual, self.norm_weight, 1e-6)
+        return ops_.linear(residual, self.proj, HIDDEN) + scaled  # reads residual, not out
+
+
+@torch.inference_mode()
+def test_prologue_and_linear_replay_as_one_call():
+    """fused_add_rms_norm or silu_and_mul right before our linear reading what
+    it wrote replays as one composite call (csrc/prologue_linear.cpp), bit for
+    bit like the module's two calls; any other order keeps both calls."""
+    module = PrologueStep()
+    _, graph = StepGraph.record(module, *inputs(3, seed=1))
+    counts = graph.op_counts
+    assert counts["cpu_backend::fused_add_rms_norm_linear_out"] == 1, counts
+    assert counts["cpu_backend::silu_and_mul_linear_out"] == 1, counts
+    assert counts["cpu_backend::fused_add_rms_norm"] == 2, counts
+    assert "cpu_backend::silu_and_mul" not in counts and counts["cpu_backend::linear"] == 2, counts
+    for n, seed in ((3, 2), (3, 3)):
+        ids, pos = inputs(n, seed)
+        assert torch.equal(graph.run(ids, pos), module(ids, pos))
+
+
 @torch.inference_mode()
 def test_step_graphs_capture_each_token_count_once_and_replay_it():
     module = TinyStep()

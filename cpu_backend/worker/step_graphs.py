@@ -25,8 +25,10 @@ buffers the graph allocates once (`_Recorder._plan_buffers`): each `empty`,
 and each result of our linears (recorded as their `..._out` forms), that only
 aten's and our ops read and that the step does not return, reads a buffer
 shared with the allocations whose uses do not overlap; views and splits of a
-buffer become constants. A SmolLM2-135M decode step replays 274 calls
-instead of 544 (docs/performance.md).
+buffer become constants. An in-place norm or SiLU-and-mul right before our
+linear that reads what it wrote is recorded with it as one composite call
+(`_PROLOGUES`, csrc/prologue_linear.cpp). A SmolLM2-135M decode step replays
+185 calls instead of 544 (docs/performance.md).
 
 Tracing once is sound where the host's torch.compile is: it traces the same
 models once for all steps (`support_torch_compile`, guards dropped), so only
@@ -102,6 +104,7 @@ class _Recorder(TorchDispatchMode):
         self.views: dict[str, object] = {}                # variable -> the view(s) it holds
         self.constant_lines: set[int] = set()             # lines that now read a constant
         self.op_counts: Counter[str] = Counter()
+        self.prologue: tuple | None = None  # the last line, if a prologue op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -134,12 +137,13 @@ class _Recorder(TorchDispatchMode):
                     and out.numel() > 0):
                 return self._record_into(into, op_name, func, out, args, kwargs)
         read: list[str] = []
-        call = ", ".join([self._expr(a, read) for a in args]
-                         + [f"{k}={self._expr(v, read)}" for k, v in kwargs.items()])
+        exprs = [self._expr(a, read) for a in args]
+        call = ", ".join(exprs + [f"{k}={self._expr(v, read)}" for k, v in kwargs.items()])
         target = f"v{len(self.lines)}"
         callee = _callee(func)
         self.lines.append((f"{target} = {self._constant(callee)}({call})", read))
         self.line_ops.append(op_name)
+        self.prologue = (op_name, exprs, read) if op_name in _PROLOGUES and not kwargs else None
         self.op_counts[op_name] += 1
         self.alive.append(out)
         self.storages[target] = _storages(out)
@@ -161,6 +165,7 @@ class _Recorder(TorchDispatchMode):
         """Records an op that allocates its result as an `empty` of the result's
         shape and a call of the op's form that writes into it, so the result
         can live in a preallocated buffer (`_plan_buffers`)."""
+        prologue = self._take_prologue(into, func, args)
         buffer = f"v{len(self.lines)}"
         shape = self._expr(list(out.shape), [])
         self.lines.append((f"{buffer} = {self._constant(torch.empty)}({shape}, "
@@ -171,13 +176,37 @@ class _Recorder(TorchDispatchMode):
         self.fresh[buffer] = out
         self.names[id(out)] = buffer
         read = [buffer]
-        call = ", ".join([buffer] + [self._expr(a, read) for a in into.arguments(func, args, kwargs)])
+        arguments = [self._expr(a, read) for a in into.arguments(func, args, kwargs)]
+        op = into.op
+        if prologue is not None:  # the composite: prologue's arguments, then the linear's but x
+            op_name, prologue_exprs, prologue_read = prologue
+            op = _composite(op_name)
+            arguments = prologue_exprs + arguments[1:]
+            read += prologue_read
         target = f"v{len(self.lines)}"
-        self.lines.append((f"{target} = {self._constant(into.op)}({call})", read))
+        self.lines.append((f"{target} = {self._constant(op)}({', '.join([buffer] + arguments)})", read))
         self.line_ops.append(op_name)
         self.op_counts[op_name] += 1
         self.op_counts["aten::empty.memory_format"] += 1
         return out
+
+    def _take_prologue(self, into: _OutForm, func, args: tuple) -> tuple | None:
+        """The step's last line, if it is a prologue (`_PROLOGUES`) writing the
+        x this linear reads: removed from the lines and returned as (composite
+        op name, its argument expressions, the names it reads)."""
+        prologue, self.prologue = self.prologue, None
+        if (prologue is None or into.op_name != "cpu_backend::linear_out" or not args
+                or not isinstance(args[0], torch.Tensor)):
+            return None
+        op_name, exprs, read = prologue
+        composite, arity = _PROLOGUES[op_name]
+        x = self.names.get(id(args[0]))
+        if len(exprs) != arity or x is None or exprs[0] != x:
+            return None
+        self.lines.pop()  # the prologue returned nothing: no name refers to its line
+        self.line_ops.pop()
+        self.op_counts[op_name] -= 1
+        return composite, exprs, read
 
     def _reads_step_values(self, value) -> bool:
         if isinstance(value, torch.Tensor):
@@ -317,6 +346,18 @@ class _OutForm:
         bound.update(kwargs)
         return tuple(bound[a.name] if a.name in bound else a.default_value
                      for a in self._overload()._schema.arguments[1:])
+
+
+# Ops that write, in place, the x a linear right after them reads -> the
+# composite doing both in one call (csrc/prologue_linear.cpp), and the number
+# of arguments the op takes (its first being that x).
+_PROLOGUES = {"cpu_backend::fused_add_rms_norm": ("cpu_backend::fused_add_rms_norm_linear_out", 4),
+              "cpu_backend::silu_and_mul": ("cpu_backend::silu_and_mul_linear_out", 2)}
+
+
+def _composite(op_name: str):
+    namespace, name = op_name.split("::")
+    return getattr(getattr(torch.ops, namespace), name).default._op
 
 
 # Our ops that allocate their result, by name -> the form writing into a buffer.
