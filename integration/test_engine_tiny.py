@@ -70,10 +70,12 @@ def test_our_worker_runner_and_attention_ran(llm):
     assert rep["custom_ops"] == ["CpuBackendRotaryEmbedding", "CpuBackendSiluAndMul"]
     calls, calls_before = rep["custom_op_kernel_calls"], first["custom_op_kernel_calls"]
     replayed, replayed_before = rep["step_graphs"]["op_calls"], first["step_graphs"]["op_calls"]
-    for name, op in [("CpuBackendRotaryEmbedding", "cpu_backend::rotary_embedding"),
-                     ("CpuBackendSiluAndMul", "cpu_backend::silu_and_mul")]:
-        ran = (calls[name] - calls_before.get(name, 0)
-               + replayed.get(op, 0) - replayed_before.get(op, 0))
+    # (SiLU-and-mul replays with the down projection as one composite call.)
+    for name, ops_ in [("CpuBackendRotaryEmbedding", ["cpu_backend::rotary_embedding"]),
+                       ("CpuBackendSiluAndMul", ["cpu_backend::silu_and_mul",
+                                                 "cpu_backend::silu_and_mul_linear_out"])]:
+        ran = calls[name] - calls_before.get(name, 0) + sum(
+            replayed.get(op, 0) - replayed_before.get(op, 0) for op in ops_)
         assert ran >= layers * 4, (name, calls, replayed)
 
 
@@ -96,6 +98,11 @@ def test_small_steps_replay_captured_graphs(llm, tiny_llama):
     op = step_ops.ATTENTION
     assert graphs["op_calls"][op] - before["op_calls"].get(op, 0) == layers * replays, graphs
     assert not [op for op in graphs["op_calls"] if op.startswith("vllm::")], graphs
+    # Each layer's norms (but the first layer's input norm) and SiLU-and-mul
+    # ran with the linear after them as one call (step_graphs._PROLOGUES).
+    for op, per_step in [("cpu_backend::fused_add_rms_norm_linear_out", 2 * layers - 1),
+                         ("cpu_backend::silu_and_mul_linear_out", layers)]:
+        assert graphs["op_calls"][op] - before["op_calls"].get(op, 0) == per_step * replays, graphs
     assert got == hf_greedy(tiny_llama, prompts, NEW_TOKENS)
 
 
