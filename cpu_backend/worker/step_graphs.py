@@ -179,8 +179,8 @@ class _Recorder(TorchDispatchMode):
         arguments = [self._expr(a, read) for a in into.arguments(func, args, kwargs)]
         op = into.op
         if prologue is not None:  # the composite: prologue's arguments, then the linear's but x
-            op_name, prologue_exprs, prologue_read = prologue
-            op = _composite(op_name)
+            composite, prologue_exprs, prologue_read = prologue
+            op, op_name = composite.op, composite.op_name
             arguments = prologue_exprs + arguments[1:]
             read += prologue_read
         target = f"v{len(self.lines)}"
@@ -192,8 +192,8 @@ class _Recorder(TorchDispatchMode):
 
     def _take_prologue(self, into: _OutForm, func, args: tuple) -> tuple | None:
         """The step's last line, if it is a prologue (`_PROLOGUES`) writing the
-        x this linear reads: removed from the lines and returned as (composite
-        op name, its argument expressions, the names it reads)."""
+        x this linear reads: removed from the lines and returned as (the
+        composite, the prologue's argument expressions, the names it reads)."""
         prologue, self.prologue = self.prologue, None
         if (prologue is None or into.op_name != "cpu_backend::linear_out" or not args
                 or not isinstance(args[0], torch.Tensor)):
@@ -351,13 +351,8 @@ class _OutForm:
 # Ops that write, in place, the x a linear right after them reads -> the
 # composite doing both in one call (csrc/prologue_linear.cpp), and the number
 # of arguments the op takes (its first being that x).
-_PROLOGUES = {"cpu_backend::fused_add_rms_norm": ("cpu_backend::fused_add_rms_norm_linear_out", 4),
-              "cpu_backend::silu_and_mul": ("cpu_backend::silu_and_mul_linear_out", 2)}
-
-
-def _composite(op_name: str):
-    namespace, name = op_name.split("::")
-    return getattr(getattr(torch.ops, namespace), name).default._op
+_PROLOGUES = {"cpu_backend::fused_add_rms_norm": (_OutForm("cpu_backend::fused_add_rms_norm_linear_out"), 4),
+              "cpu_backend::silu_and_mul": (_OutForm("cpu_backend::silu_and_mul_linear_out"), 2)}
 
 
 # Our ops that allocate their result, by name -> the form writing into a buffer.
