@@ -54,4 +54,13 @@ void linear_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed_w
 // out = silu(x[..., :d]) * x[..., d:] (activation.cpp).
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 
+// The out forms of the int4/int8-weight linears (linear_wna16.cpp, linear_w8a8.cpp).
+void wna16_linear_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const at::Tensor& zs, int64_t bits, int64_t group_size, int64_t n,
+                      const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias,
+                      bool int8_act);
+void w8a8_linear_out(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& wsum,
+                     const at::Tensor& w_scale, int64_t n, std::optional<double> input_scale,
+                     std::optional<int64_t> input_zp, bool symmetric, const std::optional<at::Tensor>& bias);
+
 }  // namespace cpu_backend

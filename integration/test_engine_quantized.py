@@ -127,6 +127,11 @@ def test_quantized_checkpoint_matches_dequantized_transformers(case, checkpoints
     assert "WNA16LinearMethod" in rep["linear_methods"]
     assert rep["wna16_linear_calls"] > 0
     assert rep["wna16_int8_act_layers"] == 0
+    # decode steps replayed each norm and SiLU-and-mul with the int4 linear
+    # reading its result as one call (step_graphs._COMPOSITES)
+    replayed = rep["step_graphs"]["op_calls"]
+    for composite in ("fused_add_rms_norm_wna16_linear_out", "silu_and_mul_wna16_linear_out"):
+        assert replayed.get(f"cpu_backend::{composite}", 0) > 0, replayed
     want = hf_greedy(str(dense), prompts, NEW_TOKENS)
     assert got == want
 

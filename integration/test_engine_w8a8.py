@@ -155,6 +155,11 @@ def test_w8a8_checkpoint_matches_fake_quant_transformers(case, checkpoints, monk
     assert "CpuBackendW8A8LinearMethod" in rep["linear_methods"]
     assert "CompressedTensorsLinearMethod" not in rep["linear_methods"]
     assert rep["w8a8_linear_calls"] > 0
+    # decode steps replayed each norm and SiLU-and-mul with the W8A8 linear
+    # reading its result as one call (step_graphs._COMPOSITES)
+    replayed = rep["step_graphs"]["op_calls"]
+    for composite in ("fused_add_rms_norm_w8a8_linear_out", "silu_and_mul_w8a8_linear_out"):
+        assert replayed.get(f"cpu_backend::{composite}", 0) > 0, replayed
     hf = fake_quant_model(qdir)
     deficits = [d for p, g in zip(prompts, got) for d in teacher_forced_deficits(hf, p, g)]
     agree = sum(d == 0.0 for d in deficits) / len(deficits)

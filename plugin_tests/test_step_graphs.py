@@ -230,6 +230,75 @@ def test_prologue_and_linear_replay_as_one_call():
         assert torch.equal(graph.run(ids, pos), module(ids, pos))
 
 
+class QuantizedPrologueStep(torch.nn.Module):
+    """The prologues before our int4 (GPTQ; act-order W4A8) and W8A8 linears:
+    residual add + RMSNorm and SiLU-and-mul, each before both."""
+
+    def __init__(self):
+        super().__init__()
+        from cpu_backend.quantization import formats, w8a8
+
+        torch.manual_seed(5)
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.norm_weight = torch.rand(HIDDEN) + 0.5
+
+        def int4(n, k, perm=None):
+            v = formats.quantize_rtn(torch.randn(n, k) / 8, 4, 32, True, perm)
+            return formats.kernel_layout(v["q"], v["zero"], v["scale"], v["g_idx"], 4), n
+
+        def int8(n, k):
+            return w8a8.kernel_layout(torch.randint(-127, 128, (n, k), dtype=torch.int8),
+                                      torch.rand(n) / 256), n
+
+        self.gate_up = int4(4 * HIDDEN, HIDDEN)
+        self.down = int8(HIDDEN, 2 * HIDDEN)
+        self.down_bias = torch.randn(HIDDEN)
+        self.gate_up2 = int8(4 * HIDDEN, HIDDEN)
+        self.down2 = int4(HIDDEN, 2 * HIDDEN, perm=torch.randperm(2 * HIDDEN))
+
+    @staticmethod
+    def int4_linear(x, layer, int8_act=False):
+        lay, n = layer
+        return torch.ops.cpu_backend.wna16_linear(x, lay["qweight"], lay["scales"], lay["zs"], 4,
+                                                  lay["group_size"], n, lay["perm"], int8_act=int8_act)
+
+    @staticmethod
+    def int8_linear(x, layer, bias=None):
+        lay, n = layer
+        return torch.ops.cpu_backend.w8a8_linear(x, lay["qweight"], lay["wsum"], lay["w_scale"], n,
+                                                 bias=bias)
+
+    def forward(self, input_ids, positions):
+        ops_ = torch.ops.cpu_backend
+        n = input_ids.shape[0]
+        x = self.embed(input_ids)
+        residual = positions[:, None].float().expand(-1, HIDDEN).contiguous()
+        ops_.fused_add_rms_norm(x, residual, self.norm_weight, 1e-6)
+        gate_up = self.int4_linear(x, self.gate_up)
+        act = torch.empty(n, 2 * HIDDEN)
+        ops_.silu_and_mul(act, gate_up)
+        down = self.int8_linear(act, self.down, bias=self.down_bias)
+        ops_.fused_add_rms_norm(down, residual, self.norm_weight, 1e-6)
+        gate_up2 = self.int8_linear(down, self.gate_up2)
+        act2 = torch.empty(n, 2 * HIDDEN)
+        ops_.silu_and_mul(act2, gate_up2)
+        return self.int4_linear(act2, self.down2, int8_act=True) + residual
+
+
+@torch.inference_mode()
+def test_prologues_and_quantized_linears_replay_as_one_call():
+    module = QuantizedPrologueStep()
+    _, graph = StepGraph.record(module, *inputs(3, seed=1))
+    counts = graph.op_counts
+    for composite in ("fused_add_rms_norm_wna16_linear_out", "silu_and_mul_w8a8_linear_out",
+                      "fused_add_rms_norm_w8a8_linear_out", "silu_and_mul_wna16_linear_out"):
+        assert counts[f"cpu_backend::{composite}"] == 1, counts
+    assert not {"cpu_backend::fused_add_rms_norm", "cpu_backend::silu_and_mul"} & set(counts), counts
+    for n, seed in ((3, 2), (3, 3)):
+        ids, pos = inputs(n, seed)
+        assert torch.equal(graph.run(ids, pos), module(ids, pos))
+
+
 @torch.inference_mode()
 def test_step_graphs_capture_each_token_count_once_and_replay_it():
     module = TinyStep()

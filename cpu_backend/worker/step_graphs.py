@@ -25,9 +25,10 @@ buffers the graph allocates once (`_Recorder._plan_buffers`): each `empty`,
 and each result of our linears (recorded as their `..._out` forms), that only
 aten's and our ops read and that the step does not return, reads a buffer
 shared with the allocations whose uses do not overlap; views and splits of a
-buffer become constants. An in-place norm or SiLU-and-mul right before our
-linear that reads what it wrote is recorded with it as one composite call
-(`_PROLOGUES`, csrc/prologue_linear.cpp). A SmolLM2-135M decode step replays
+buffer become constants. An in-place norm or SiLU-and-mul right before one
+of our linears (float, int4/int8 weights, W8A8) that reads what it wrote is
+recorded with it as one composite call (`_COMPOSITES`,
+csrc/prologue_linear.cpp). A SmolLM2-135M decode step replays
 185 calls instead of 544 (docs/performance.md).
 
 Tracing once is sound where the host's torch.compile is: it traces the same
@@ -195,13 +196,12 @@ class _Recorder(TorchDispatchMode):
         x this linear reads: removed from the lines and returned as (the
         composite, the prologue's argument expressions, the names it reads)."""
         prologue, self.prologue = self.prologue, None
-        if (prologue is None or into.op_name != "cpu_backend::linear_out" or not args
-                or not isinstance(args[0], torch.Tensor)):
+        if prologue is None or not args or not isinstance(args[0], torch.Tensor):
             return None
         op_name, exprs, read = prologue
-        composite, arity = _PROLOGUES[op_name]
+        composite = _COMPOSITES.get((op_name, into.op_name))
         x = self.names.get(id(args[0]))
-        if len(exprs) != arity or x is None or exprs[0] != x:
+        if composite is None or len(exprs) != _PROLOGUES[op_name] or x is None or exprs[0] != x:
             return None
         self.lines.pop()  # the prologue returned nothing: no name refers to its line
         self.line_ops.pop()
@@ -348,17 +348,19 @@ class _OutForm:
                      for a in self._overload()._schema.arguments[1:])
 
 
-# Ops that write, in place, the x a linear right after them reads -> the
-# composite doing both in one call (csrc/prologue_linear.cpp), and the number
-# of arguments the op takes (its first being that x).
-_PROLOGUES = {"cpu_backend::fused_add_rms_norm": (_OutForm("cpu_backend::fused_add_rms_norm_linear_out"), 4),
-              "cpu_backend::silu_and_mul": (_OutForm("cpu_backend::silu_and_mul_linear_out"), 2)}
-
-
 # Our ops that allocate their result, by name -> the form writing into a buffer.
 _OUT_FORMS = {"cpu_backend::linear": _OutForm("cpu_backend::linear_out"),
               "cpu_backend::wna16_linear": _OutForm("cpu_backend::wna16_linear_out"),
               "cpu_backend::w8a8_linear": _OutForm("cpu_backend::w8a8_linear_out")}
+
+# Ops that write, in place, the x a linear right after them reads -> the number
+# of arguments they take (the first being that x).
+_PROLOGUES = {"cpu_backend::fused_add_rms_norm": 4, "cpu_backend::silu_and_mul": 2}
+
+# (prologue, linear out form) -> the composite doing both in one call
+# (csrc/prologue_linear.cpp: `<prologue>_<linear out form>`).
+_COMPOSITES = {(prologue, into.op_name): _OutForm(f"{prologue}_{into.op_name.split('::')[1]}")
+               for prologue in _PROLOGUES for into in _OUT_FORMS.values()}
 
 
 def _rebase(view, buffer: torch.Tensor):
