@@ -318,6 +318,21 @@ def test_step_graphs_capture_each_token_count_once_and_replay_it():
 
 
 @torch.inference_mode()
+def test_larger_token_counts_are_captured_when_seen_again():
+    """Above capture_at_first a count's first steps run eagerly (a one-off
+    prefill costs no capture); its capture_at_sighting-th step captures, later
+    ones replay."""
+    module = TinyStep()
+    graphs = StepGraphs(module, max_tokens=8, capture_at_first=2, capture_at_sighting=2)
+    for n, seed, counts in [(5, 1, []), (2, 2, [2]), (5, 3, [2, 5]), (5, 4, [2, 5]), (7, 5, [2, 5])]:
+        ids, pos = inputs(n, seed)
+        got, want = graphs(ids, pos), module(input_ids=ids, positions=pos)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert graphs.report()["token_counts"] == counts
+    assert graphs.report()["replays"] == 1
+
+
+@torch.inference_mode()
 def test_a_step_that_replays_differently_goes_back_to_eager():
     """Python state outside torch (here a call counter) is baked into a graph;
     the replay check catches it and the runner stays eager, with right outputs."""

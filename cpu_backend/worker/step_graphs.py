@@ -56,9 +56,18 @@ from vllm.logger import init_logger
 
 logger = init_logger(f"vllm.{__name__}")
 
-# Token counts up to this are captured: the model's Python costs about as much
-# as the kernels there; larger steps spend their time in GEMMs.
-MAX_TOKENS = 16
+# Token counts up to this are captured: a batch-1 decode step's Python costs
+# about as much as its kernels; a 32- or 64-token step (batched decode) still
+# spends 5-10% of its time in the eager model's Python (SmolLM2-135M on the
+# 2-core VM, docs/performance.md); larger steps spend it in GEMMs.
+MAX_TOKENS = 64
+# Counts up to this are captured when first seen; larger ones at their
+# CAPTURE_AT_SIGHTING-th step, so that a count the traffic makes a few times
+# only (a prompt's prefill, a draining batch) costs no capture (about 1.5
+# steps' time, the gain 5-7% per replay) and no graph (~35 KB per token of
+# buffers for Qwen2.5-0.5B).
+CAPTURE_AT_FIRST = 16
+CAPTURE_AT_SIGHTING = 4
 
 # lower(op, args, kwargs) -> (call, args, name for reports) to record in the
 # op's place (after the op ran), or None to record the op itself. The call
@@ -392,12 +401,16 @@ class StepGraphs:
     """Per token count, a traced graph of `forward(input_ids, positions)`."""
 
     def __init__(self, forward: Callable[..., torch.Tensor], max_tokens: int = MAX_TOKENS,
-                 lower: Lowering | None = None):
+                 lower: Lowering | None = None, capture_at_first: int = CAPTURE_AT_FIRST,
+                 capture_at_sighting: int = CAPTURE_AT_SIGHTING):
         self._forward = forward
         self._lower = lower
         self.max_tokens = max_tokens
+        self.capture_at_first = capture_at_first
+        self.capture_at_sighting = capture_at_sighting
         self.graphs: dict[tuple, StepGraph] = {}
         self.replays: Counter[tuple] = Counter()
+        self.eager_steps: Counter[tuple] = Counter()  # of larger counts not captured yet
         self.enabled = True
 
     def covers(self, input_ids: torch.Tensor | None, intermediate_tensors,
@@ -412,6 +425,10 @@ class StepGraphs:
         if graph is not None:
             self.replays[key] += 1
             return graph.run(input_ids, positions)
+        if (input_ids.shape[0] > self.capture_at_first
+                and self.eager_steps[key] + 1 < self.capture_at_sighting):
+            self.eager_steps[key] += 1
+            return self._forward(input_ids=input_ids, positions=positions)
         return self._capture(key, input_ids, positions)
 
     def _capture(self, key: tuple, input_ids: torch.Tensor,
