@@ -20,21 +20,23 @@
 namespace cpu_backend {
 namespace {
 
-template <auto Linear, typename... LinearArgs>
-void fused_add_rms_norm_then(at::Tensor& out, at::Tensor& x, at::Tensor& residual,
-                             const std::optional<at::Tensor>& norm_weight, double eps, LinearArgs... args) {
-  fused_add_rms_norm(x, residual, norm_weight, eps);
-  Linear(out, x, args...);
-}
+// The composites ending in linear out form `Linear(out, x, args...)`.
+template <auto Linear>
+struct Then;
 
-template <auto Linear, typename... LinearArgs>
-void silu_and_mul_then(at::Tensor& out, at::Tensor& act, const at::Tensor& x, LinearArgs... args) {
-  silu_and_mul(act, x);
-  Linear(out, act, args...);
-}
+template <typename... LinearArgs, void (*Linear)(at::Tensor&, const at::Tensor&, LinearArgs...)>
+struct Then<Linear> {
+  static void fused_add_rms_norm(at::Tensor& out, at::Tensor& x, at::Tensor& residual,
+                                 const std::optional<at::Tensor>& norm_weight, double eps, LinearArgs... args) {
+    cpu_backend::fused_add_rms_norm(x, residual, norm_weight, eps);
+    Linear(out, x, args...);
+  }
 
-using OptTensor = const std::optional<at::Tensor>&;
-using Tensor = const at::Tensor&;
+  static void silu_and_mul(at::Tensor& out, at::Tensor& act, const at::Tensor& x, LinearArgs... args) {
+    cpu_backend::silu_and_mul(act, x);
+    Linear(out, act, args...);
+  }
+};
 
 // Each linear out form: its name and its arguments after (out, x).
 constexpr const char* kLinear = "linear_out";
@@ -77,17 +79,10 @@ TORCH_LIBRARY_FRAGMENT(cpu_backend, m) {
 
 TORCH_LIBRARY_IMPL(cpu_backend, CPU, m) {
   using namespace cpu_backend;
-  // (x, packed_weight, n, bias) / (x, qweight, ..., int8_act) / (x, qweight, ..., bias) after out
-#define CB_LINEAR_ARGS Tensor, int64_t, OptTensor
-#define CB_WNA16_ARGS Tensor, Tensor, Tensor, int64_t, int64_t, int64_t, OptTensor, OptTensor, bool
-#define CB_W8A8_ARGS Tensor, Tensor, Tensor, int64_t, std::optional<double>, std::optional<int64_t>, bool, OptTensor
-  m.impl(composite(kNorm, kLinear).c_str(), &fused_add_rms_norm_then<&linear_out, CB_LINEAR_ARGS>);
-  m.impl(composite(kNorm, kWna16).c_str(), &fused_add_rms_norm_then<&wna16_linear_out, CB_WNA16_ARGS>);
-  m.impl(composite(kNorm, kW8a8).c_str(), &fused_add_rms_norm_then<&w8a8_linear_out, CB_W8A8_ARGS>);
-  m.impl(composite(kSilu, kLinear).c_str(), &silu_and_mul_then<&linear_out, CB_LINEAR_ARGS>);
-  m.impl(composite(kSilu, kWna16).c_str(), &silu_and_mul_then<&wna16_linear_out, CB_WNA16_ARGS>);
-  m.impl(composite(kSilu, kW8a8).c_str(), &silu_and_mul_then<&w8a8_linear_out, CB_W8A8_ARGS>);
-#undef CB_LINEAR_ARGS
-#undef CB_WNA16_ARGS
-#undef CB_W8A8_ARGS
+  m.impl(composite(kNorm, kLinear).c_str(), &Then<&linear_out>::fused_add_rms_norm);
+  m.impl(composite(kNorm, kWna16).c_str(), &Then<&wna16_linear_out>::fused_add_rms_norm);
+  m.impl(composite(kNorm, kW8a8).c_str(), &Then<&w8a8_linear_out>::fused_add_rms_norm);
+  m.impl(composite(kSilu, kLinear).c_str(), &Then<&linear_out>::silu_and_mul);
+  m.impl(composite(kSilu, kWna16).c_str(), &Then<&wna16_linear_out>::silu_and_mul);
+  m.impl(composite(kSilu, kW8a8).c_str(), &Then<&w8a8_linear_out>::silu_and_mul);
 }
