@@ -3,7 +3,8 @@
 - Accounting: after start-up the worker's resident memory is what the plan
   saw (weights and runtime) plus the KV cache it allocated, within the
   profiled activation peak plus RSS_MARGIN; the allocated KV is the planned
-  size rounded down to whole blocks.
+  size rounded down to whole blocks; the activation peak holds the step
+  graphs' buffers for every token count they may capture.
 - Bad sizes stop `vllm serve` before it listens, with the setting named:
   more than the machine has, and less than one max_model_len sequence.
 - KV exhaustion: more concurrent long requests than the cache holds are
@@ -18,6 +19,7 @@ import random
 import pytest
 
 from cpu_backend.worker import huge_pages
+from cpu_backend.worker.model_runner import GRAPH_BUFFER_TOKEN_ROWS
 from integration.conftest import greedy, report, running_llm
 from integration.server import run_vllm
 
@@ -29,7 +31,9 @@ def test_rss_after_start_is_weights_runtime_plus_kv(tiny_llama, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     with running_llm(tiny_llama, dtype="float32") as llm:
         greedy(llm, [[5, 6, 7]], max_tokens=2)
-        mem = report(llm)["memory"]
+        greedy(llm, [[5 + i, 6, 7] for i in range(8)], max_tokens=2)
+        rep = report(llm)
+        mem, graphs = rep["memory"], rep["step_graphs"]
     print({k: (v / MiB if isinstance(v, int) else v) for k, v in mem.items()})
     assert mem["kv_source"] == "VLLM_CPU_KVCACHE_SPACE"
     assert mem["kv_planned"] == MiB * 1024
@@ -37,6 +41,13 @@ def test_rss_after_start_is_weights_runtime_plus_kv(tiny_llama, monkeypatch):
     assert mem["rss_at_plan"] > mem["weights"]
     expected = mem["rss_at_plan"] + mem["kv_allocated"]
     assert abs(mem["rss_now"] - expected) <= mem["activation_peak"] + RSS_MARGIN, (mem, expected)
+    # The profiled peak includes a reserve for the step graphs' buffers: their
+    # size per token, measured in the graphs captured, for every count up to
+    # their limit (StepGraphs captures no more than the reserve holds).
+    assert graphs["token_counts"], graphs
+    per_token = graphs["buffer_bytes"] / sum(graphs["token_counts"])
+    assert 0 < per_token * GRAPH_BUFFER_TOKEN_ROWS <= graphs["buffer_budget"], graphs
+    assert graphs["buffer_budget"] < mem["activation_peak"], (graphs, mem)
     if huge_pages.thp_mode() != "never":  # most of the 1 GiB buffer faulted in 2 MiB pages
         assert mem["kv_huge_pages"] >= mem["kv_allocated"] // 2, mem
 

@@ -333,6 +333,33 @@ def test_larger_token_counts_are_captured_when_seen_again():
 
 
 @torch.inference_mode()
+def test_graphs_stop_capturing_where_their_buffers_would_outgrow_the_budget():
+    """The budget the KV sizing left for graph buffers: a count whose graph
+    would not fit runs eagerly (right outputs), the graphs already kept stay;
+    a first graph larger than the whole budget is not kept either."""
+    module = BufferStep(foreign_reader=False)
+    per_token = StepGraph.record(module, *inputs(1, seed=1))[1].buffer_bytes
+    assert per_token > 0
+    assert StepGraph.record(module, *inputs(3, seed=1))[1].buffer_bytes == 3 * per_token
+
+    graphs = StepGraphs(module, max_tokens=8, buffer_budget=3 * per_token)
+    for n, seed, counts in [(1, 1, [1]), (2, 2, [1, 2]), (3, 3, [1, 2]), (1, 4, [1, 2]),
+                            (3, 5, [1, 2])]:
+        ids, pos = inputs(n, seed)
+        assert torch.equal(graphs(ids, pos), module(ids, pos))
+        assert graphs.report()["token_counts"] == counts
+    report = graphs.report()
+    assert report["buffer_bytes"] == 3 * per_token == report["buffer_budget"]
+    assert report["replays"] == 1 and graphs.enabled
+
+    small = StepGraphs(module, max_tokens=8, buffer_budget=per_token - 1)
+    ids, pos = inputs(1, seed=6)
+    assert torch.equal(small(ids, pos), module(ids, pos))
+    assert small.report()["token_counts"] == [] and small.report()["buffer_bytes"] == 0
+    assert small.enabled
+
+
+@torch.inference_mode()
 def test_a_step_that_replays_differently_goes_back_to_eager():
     """Python state outside torch (here a call counter) is baked into a graph;
     the replay check catches it and the runner stays eager, with right outputs."""
@@ -412,6 +439,8 @@ def test_which_engines_run_step_graphs(monkeypatch):
          "layers with state beside the KV cache"),
     ]:
         assert why_not(runner_like(**changes)) == reason, changes
+    # At profiling time (the graph-buffer reserve) the KV cache is not set up yet.
+    assert why_not(runner_like(kv_cache_config=None), kv_cache_known=False) is None
     monkeypatch.setenv("VLLM_CPU_BACKEND_STEP_GRAPHS", "0")
     assert why_not(runner_like()) == "VLLM_CPU_BACKEND_STEP_GRAPHS=0"
 

@@ -20,7 +20,9 @@ limits and the activation peak, and lets a KV size that cannot hold one
   never more than the memory free right now minus the same peak and margin.
 - The activation peak is measured: the peak-RSS counter is reset
   (`/proc/self/clear_refs`), one dummy forward of `PROFILE_TOKENS` tokens
-  runs, and the growth is scaled to `max_num_batched_tokens`.
+  runs, and the growth is scaled to `max_num_batched_tokens`; plus, where
+  steps run from captured graphs, the same growth per token for the 2080
+  token-rows their buffers may hold (`model_runner.GRAPH_BUFFER_TOKEN_ROWS`).
 """
 
 from __future__ import annotations

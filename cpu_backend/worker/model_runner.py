@@ -34,12 +34,16 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from cpu_backend import envs
 from cpu_backend.attention import step_ops
-from cpu_backend.worker import huge_pages, memory, sampler
+from cpu_backend.worker import huge_pages, memory, sampler, step_graphs
 from cpu_backend.worker.step_graphs import StepGraphs
 
 logger = init_logger(f"vllm.{__name__}")
 
 WARM_UP_TOKENS = 16
+# Token rows of the step graphs' buffers when every count up to their limit
+# has a graph, the most they hold; each row the size of one token's
+# activations in the profile step.
+GRAPH_BUFFER_TOKEN_ROWS = step_graphs.MAX_TOKENS * (step_graphs.MAX_TOKENS + 1) // 2
 _HOST_KV_INIT_PARAMS = list(inspect.signature(CPUModelRunner.initialize_kv_cache).parameters)
 _HOST_FORWARD_PARAMS = list(inspect.signature(CPUModelRunner._model_forward).parameters)
 _HOST_REORDER_PARAMS = list(inspect.signature(CPUModelRunner._may_reorder_batch).parameters)
@@ -128,7 +132,8 @@ class CpuBackendModelRunner(CPUModelRunner):
         if "_cpu_backend_step_graphs" not in self.__dict__:
             why_not = self._why_no_step_graphs()
             self._cpu_backend_step_graphs = None if why_not else StepGraphs(
-                self.model, lower=step_ops.lower)
+                self.model, lower=step_ops.lower,
+                buffer_budget=self.__dict__.get("_cpu_backend_graph_buffer_budget"))
             if why_not:
                 logger.info("cpu_backend: steps run eagerly (%s).", why_not)
             else:
@@ -145,9 +150,12 @@ class CpuBackendModelRunner(CPUModelRunner):
                     "op_calls": {}}
         return graphs.report()
 
-    def _why_no_step_graphs(self) -> str | None:
+    def _why_no_step_graphs(self, kv_cache_known: bool = True) -> str | None:
+        """Why steps must run eagerly, or None. Before the KV cache is set up
+        (`kv_cache_known=False`) its layers are not looked at."""
         parallel = self.parallel_config
-        specs = [group.kv_cache_spec for group in self.kv_cache_config.kv_cache_groups]
+        specs = ([group.kv_cache_spec for group in self.kv_cache_config.kv_cache_groups]
+                 if kv_cache_known else [])
         reasons = {
             f"{envs.STEP_GRAPHS}=0": not envs.step_graphs(),
             "torch.compile mode": self.compilation_config.mode != CompilationMode.NONE,
@@ -160,8 +168,8 @@ class CpuBackendModelRunner(CPUModelRunner):
             "a model the host cannot trace once": not any(
                 isinstance(module, TorchCompileWithNoGuardsWrapper)
                 for module in self.model.modules()),
-            "layers with state beside the KV cache": not specs or any(
-                type(spec) not in _STATELESS_KV_SPECS for spec in specs),
+            "layers with state beside the KV cache": kv_cache_known and (not specs or any(
+                type(spec) not in _STATELESS_KV_SPECS for spec in specs)),
         }
         return ", ".join(reason for reason, applies in reasons.items() if applies) or None
 
@@ -188,4 +196,13 @@ class CpuBackendModelRunner(CPUModelRunner):
             return 0
         self._dummy_run(num_tokens)
         growth = max(memory.peak_rss_bytes() - before, 0)
-        return int(growth * budget / num_tokens)
+        activations = int(growth * budget / num_tokens)
+        # Step graphs keep their activation buffers for good (StepGraphs
+        # stops capturing when they would outgrow this).
+        graph_buffers = 0
+        if self._why_no_step_graphs(kv_cache_known=False) is None:
+            graph_buffers = int(growth * GRAPH_BUFFER_TOKEN_ROWS / num_tokens)
+        self._cpu_backend_graph_buffer_budget = graph_buffers
+        logger.debug("Activation peak %.1f MB for %d tokens, step-graph buffers %.1f MB.",
+                     activations / 1e6, budget, graph_buffers / 1e6)
+        return activations + graph_buffers

@@ -25,7 +25,9 @@ buffers the graph allocates once (`_Recorder._plan_buffers`): each `empty`,
 and each result of our linears (recorded as their `..._out` forms), that only
 aten's and our ops read and that the step does not return, reads a buffer
 shared with the allocations whose uses do not overlap; views and splits of a
-buffer become constants. An in-place norm or SiLU-and-mul right before one
+buffer become constants. The buffers stay for good: `buffer_budget` (what the
+KV sizing reserved for them) bounds their sum, counts whose graph would not
+fit run eagerly. An in-place norm or SiLU-and-mul right before one
 of our linears (float, int4/int8 weights, W8A8) that reads what it wrote is
 recorded with it as one composite call (`_COMPOSITES`,
 csrc/prologue_linear.cpp). A SmolLM2-135M decode step replays
@@ -78,9 +80,11 @@ Lowering = Callable[[object, tuple, dict], "tuple[Callable, tuple, str] | None"]
 class StepGraph:
     """A recorded step: `run(input_ids, positions)` replays its ops."""
 
-    def __init__(self, source: str, constants: dict, op_counts: Counter[str]):
+    def __init__(self, source: str, constants: dict, op_counts: Counter[str],
+                 buffer_bytes: int = 0):
         self.source = source
         self.op_counts = op_counts  # "namespace::op" -> calls per replay
+        self.buffer_bytes = buffer_bytes  # of the activation buffers it owns
         self.num_ops = sum(op_counts.values())
         namespace = dict(constants)
         exec(compile(source, "<cpu_backend step graph>", "exec"), namespace)  # noqa: S102
@@ -93,7 +97,8 @@ class StepGraph:
         recorder = _Recorder({id(input_ids): "input_ids", id(positions): "positions"}, lower)
         with recorder:
             output = forward(input_ids=input_ids, positions=positions)
-        return output, cls(recorder.source(output), recorder.constants, recorder.op_counts)
+        source = recorder.source(output)
+        return output, cls(source, recorder.constants, recorder.op_counts, recorder.buffer_bytes)
 
 
 class _Recorder(TorchDispatchMode):
@@ -114,6 +119,7 @@ class _Recorder(TorchDispatchMode):
         self.views: dict[str, object] = {}                # variable -> the view(s) it holds
         self.constant_lines: set[int] = set()             # lines that now read a constant
         self.op_counts: Counter[str] = Counter()
+        self.buffer_bytes = 0  # of the buffers _plan_buffers made
         self.prologue: tuple | None = None  # the last line, if a prologue op
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -309,6 +315,7 @@ class _Recorder(TorchDispatchMode):
                 buffer = reusable[0][1]
             else:
                 buffer = self._constant(tensor)
+                self.buffer_bytes += tensor.untyped_storage().nbytes()
             pool.append((last_read.get(storage, index), buffer))
             pooled[storage] = self.constants[buffer]
             self.lines[index] = (f"{target} = {buffer}", [])
@@ -402,15 +409,20 @@ class StepGraphs:
 
     def __init__(self, forward: Callable[..., torch.Tensor], max_tokens: int = MAX_TOKENS,
                  lower: Lowering | None = None, capture_at_first: int = CAPTURE_AT_FIRST,
-                 capture_at_sighting: int = CAPTURE_AT_SIGHTING):
+                 capture_at_sighting: int = CAPTURE_AT_SIGHTING,
+                 buffer_budget: int | None = None):
         self._forward = forward
         self._lower = lower
         self.max_tokens = max_tokens
         self.capture_at_first = capture_at_first
         self.capture_at_sighting = capture_at_sighting
+        # Bytes the graphs' activation buffers may hold in all (what the KV
+        # sizing left for them); None: no limit.
+        self.buffer_budget = buffer_budget
         self.graphs: dict[tuple, StepGraph] = {}
         self.replays: Counter[tuple] = Counter()
         self.eager_steps: Counter[tuple] = Counter()  # of larger counts not captured yet
+        self.over_budget: set[tuple] = set()  # keys whose graph would not fit the budget
         self.enabled = True
 
     def covers(self, input_ids: torch.Tensor | None, intermediate_tensors,
@@ -425,11 +437,34 @@ class StepGraphs:
         if graph is not None:
             self.replays[key] += 1
             return graph.run(input_ids, positions)
+        if key in self.over_budget or not self._fits(input_ids.shape[0] * self._bytes_per_token()):
+            self._mark_over_budget(key)
+            return self._forward(input_ids=input_ids, positions=positions)
         if (input_ids.shape[0] > self.capture_at_first
                 and self.eager_steps[key] + 1 < self.capture_at_sighting):
             self.eager_steps[key] += 1
             return self._forward(input_ids=input_ids, positions=positions)
         return self._capture(key, input_ids, positions)
+
+    def buffer_bytes(self) -> int:
+        return sum(graph.buffer_bytes for graph in self.graphs.values())
+
+    def _bytes_per_token(self) -> float:
+        """The most buffer bytes per token of a graph so far (buffers grow
+        linearly with a step's tokens)."""
+        return max((graph.buffer_bytes / key[0][0] for key, graph in self.graphs.items()),
+                   default=0.0)
+
+    def _fits(self, more: float) -> bool:
+        return self.buffer_budget is None or self.buffer_bytes() + more <= self.buffer_budget
+
+    def _mark_over_budget(self, key: tuple) -> None:
+        if not self.over_budget:  # the profile reserved too little: say so once
+            logger.warning("cpu_backend: step graphs hold %.1f MB of buffers, their budget is "
+                        "%.1f MB: steps of %d tokens (and of each count whose graph would not fit) "
+                        "run eagerly.",
+                        self.buffer_bytes() / 1e6, self.buffer_budget / 1e6, key[0][0])
+        self.over_budget.add(key)
 
     def _capture(self, key: tuple, input_ids: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
@@ -448,6 +483,9 @@ class StepGraphs:
         if not _same(output, replayed):
             self._give_up(f"the captured step of {count} tokens differs from eager")
             return output
+        if not self._fits(graph.buffer_bytes):
+            self._mark_over_budget(key)
+            return output
         self.graphs[key] = graph
         logger.info("cpu_backend: step graph for %d tokens captured in %.2f s (%d ops)",
                     count, time.perf_counter() - start, graph.num_ops)
@@ -461,7 +499,8 @@ class StepGraphs:
                 for op, calls in self.graphs[key].op_counts.items():
                     op_calls[op] += calls * replays
         return {"on": self.enabled, "token_counts": sorted(key[0][0] for key in self.graphs),
-                "replays": sum(self.replays.values()), "op_calls": dict(op_calls)}
+                "replays": sum(self.replays.values()), "op_calls": dict(op_calls),
+                "buffer_bytes": self.buffer_bytes(), "buffer_budget": self.buffer_budget}
 
     def _give_up(self, why: str) -> None:
         logger.warning("cpu_backend: %s; running the model eagerly from now on.", why)
