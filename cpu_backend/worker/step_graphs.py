@@ -461,9 +461,9 @@ class StepGraphs:
     def _mark_over_budget(self, key: tuple) -> None:
         if not self.over_budget:  # the profile reserved too little: say so once
             logger.warning("cpu_backend: step graphs hold %.1f MB of buffers, their budget is "
-                        "%.1f MB: steps of %d tokens (and of each count whose graph would not fit) "
-                        "run eagerly.",
-                        self.buffer_bytes() / 1e6, self.buffer_budget / 1e6, key[0][0])
+                           "%.1f MB: steps of %d tokens (and of each count whose graph would not "
+                           "fit) run eagerly.",
+                           self.buffer_bytes() / 1e6, self.buffer_budget / 1e6, key[0][0])
         self.over_budget.add(key)
 
     def _capture(self, key: tuple, input_ids: torch.Tensor,
