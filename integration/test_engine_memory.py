@@ -19,7 +19,7 @@ import random
 import pytest
 
 from cpu_backend.worker import huge_pages
-from cpu_backend.worker.model_runner import GRAPH_BUFFER_TOKEN_ROWS
+from cpu_backend.worker.model_runner import GRAPH_BUFFER_MIN_BYTES, GRAPH_BUFFER_TOKEN_ROWS
 from integration.conftest import greedy, report, running_llm
 from integration.server import run_vllm
 
@@ -47,7 +47,8 @@ def test_rss_after_start_is_weights_runtime_plus_kv(tiny_llama, monkeypatch):
     assert graphs["token_counts"], graphs
     per_token = graphs["buffer_bytes"] / sum(graphs["token_counts"])
     assert 0 < per_token * GRAPH_BUFFER_TOKEN_ROWS <= graphs["buffer_budget"], graphs
-    assert graphs["buffer_budget"] < mem["activation_peak"], (graphs, mem)
+    assert graphs["buffer_budget"] <= mem["activation_peak"], (graphs, mem)
+    assert graphs["buffer_budget"] >= GRAPH_BUFFER_MIN_BYTES, graphs
     if huge_pages.thp_mode() != "never":  # most of the 1 GiB buffer faulted in 2 MiB pages
         assert mem["kv_huge_pages"] >= mem["kv_allocated"] // 2, mem
 

@@ -445,6 +445,32 @@ def test_which_engines_run_step_graphs(monkeypatch):
     assert why_not(runner_like()) == "VLLM_CPU_BACKEND_STEP_GRAPHS=0"
 
 
+def test_profile_reserves_graph_buffers_even_without_measured_growth(monkeypatch):
+    """The KV sizing's activation peak holds the step graphs' reserve: the
+    profile step's growth per token for every count the graphs may capture,
+    and at least GRAPH_BUFFER_MIN_BYTES where the step showed no growth (its
+    memory already held by the allocator); the graphs get it as their budget."""
+    from types import SimpleNamespace
+
+    from cpu_backend.worker import memory
+    from cpu_backend.worker.model_runner import (GRAPH_BUFFER_MIN_BYTES, GRAPH_BUFFER_TOKEN_ROWS,
+                                                 CpuBackendModelRunner)
+
+    rss = {"now": 1 << 30, "peak": 1 << 30}
+    monkeypatch.setattr(memory, "rss_bytes", lambda: rss["now"])
+    monkeypatch.setattr(memory, "peak_rss_bytes", lambda: rss["peak"])
+    monkeypatch.setattr(memory, "reset_peak_rss", lambda: True)
+    for growth_per_token, graphs_on in [(0, True), (100_000, True), (100_000, False)]:
+        runner = SimpleNamespace(
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=4096),
+            _dummy_run=lambda n, g=growth_per_token: rss.update(peak=rss["now"] + n * g),
+            _why_no_step_graphs=lambda kv_cache_known, on=graphs_on: None if on else "LoRA")
+        peak = CpuBackendModelRunner.profile_activation_peak(runner)
+        reserve = max(growth_per_token * GRAPH_BUFFER_TOKEN_ROWS, GRAPH_BUFFER_MIN_BYTES) if graphs_on else 0
+        assert runner._cpu_backend_graph_buffer_budget == reserve
+        assert peak == growth_per_token * 4096 + reserve
+
+
 # --- the host's attention ops, lowered to our kernels (attention.step_ops) ---
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 4, 2, 64, 16

@@ -22,7 +22,8 @@ limits and the activation peak, and lets a KV size that cannot hold one
   (`/proc/self/clear_refs`), one dummy forward of `PROFILE_TOKENS` tokens
   runs, and the growth is scaled to `max_num_batched_tokens`; plus, where
   steps run from captured graphs, the same growth per token for the 2080
-  token-rows their buffers may hold (`model_runner.GRAPH_BUFFER_TOKEN_ROWS`).
+  token-rows their buffers may hold (`model_runner.GRAPH_BUFFER_TOKEN_ROWS`,
+  at least `GRAPH_BUFFER_MIN_BYTES`).
 """
 
 from __future__ import annotations

@@ -44,6 +44,10 @@ WARM_UP_TOKENS = 16
 # has a graph, the most they hold; each row the size of one token's
 # activations in the profile step.
 GRAPH_BUFFER_TOKEN_ROWS = step_graphs.MAX_TOKENS * (step_graphs.MAX_TOKENS + 1) // 2
+# The least reserved for them: a small model's profile step can run in memory
+# its allocator holds already and show no growth at all (seen in CI: a tiny
+# GPTQ model's reserve came out 0, and no step was captured).
+GRAPH_BUFFER_MIN_BYTES = 64 << 20
 _HOST_KV_INIT_PARAMS = list(inspect.signature(CPUModelRunner.initialize_kv_cache).parameters)
 _HOST_FORWARD_PARAMS = list(inspect.signature(CPUModelRunner._model_forward).parameters)
 _HOST_REORDER_PARAMS = list(inspect.signature(CPUModelRunner._may_reorder_batch).parameters)
@@ -201,7 +205,8 @@ class CpuBackendModelRunner(CPUModelRunner):
         # stops capturing when they would outgrow this).
         graph_buffers = 0
         if self._why_no_step_graphs(kv_cache_known=False) is None:
-            graph_buffers = int(growth * GRAPH_BUFFER_TOKEN_ROWS / num_tokens)
+            graph_buffers = max(int(growth * GRAPH_BUFFER_TOKEN_ROWS / num_tokens),
+                                GRAPH_BUFFER_MIN_BYTES)
         self._cpu_backend_graph_buffer_budget = graph_buffers
         logger.debug("Activation peak %.1f MB for %d tokens, step-graph buffers %.1f MB.",
                      activations / 1e6, budget, graph_buffers / 1e6)
