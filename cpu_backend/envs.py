@@ -162,9 +162,10 @@ def step_graphs() -> bool:
 
 
 def worker_in_engine() -> bool:
-    """`VLLM_CPU_BACKEND_WORKER_IN_ENGINE`: 0 (default) or 1 to run a single
-    rank's worker in the engine-core process."""
-    return bool(_flag(WORKER_IN_ENGINE))
+    """`VLLM_CPU_BACKEND_WORKER_IN_ENGINE`: 1 (default) runs a single rank's
+    worker in the engine-core process, 0 in a process of its own (the host's
+    layout)."""
+    return _flag(WORKER_IN_ENGINE) is not False
 
 
 def huge_page_weights() -> bool:

@@ -9,9 +9,9 @@ allocator). Keeping `CPU` keeps those paths and we take over, through the
 platform's own hooks, exactly what we own:
 
 - the attention backend (`get_attn_backend_cls`): ours, under our own name;
-- the worker (`check_and_update_config` sets `worker_cls`), and with
-  `VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1` where a single rank's worker runs (the
-  engine-core process, not a process of its own);
+- the worker (`check_and_update_config` sets `worker_cls`), and where a single
+  rank's worker runs: in the engine-core process, not a process of its own
+  (`VLLM_CPU_BACKEND_WORKER_IN_ENGINE=0` keeps the host's worker process);
 - validation of dtype, KV-cache dtype, block size, head size and the
   `VLLM_CPU_*` variables, with errors naming the setting, at start-up;
 - defaults: eager execution (torch.compile costs ~1 min of start-up on a CPU
@@ -189,8 +189,8 @@ class CpuBackendPlatform(CpuPlatform):
 
 
 def _keep_worker_in_engine_process(parallel_config) -> None:
-    """`VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1`, one rank: the worker runs in the
-    engine-core process, which the host replaces by a separate worker process
+    """One rank (unless `VLLM_CPU_BACKEND_WORKER_IN_ENGINE=0`): the worker runs
+    in the engine-core process, which the host replaces by a separate worker process
     because OpenMP placement must be in the environment before a process
     starts; ours pins the running pool instead (cpu_backend.worker.binding).
     Saves the second process's start-up (an import of vLLM) and the per-step

@@ -168,7 +168,7 @@ def _node_memory(node_dir: Path) -> tuple[int, int] | None:
 
 
 # The process's affinity mask before our worker bound this thread to its rank's
-# CPUs (with VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1 the engine-core process
+# CPUs (with the worker in the engine, a single rank's default, the engine-core process
 # re-validates its config after its worker bound it): what the process may use.
 _affinity_before_binding: frozenset[int] | None = None
 

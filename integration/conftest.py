@@ -81,17 +81,6 @@ def smollm2_bf16(model_root):
     return str(models.smollm2(model_root, dtype="bfloat16"))
 
 
-@pytest.fixture(scope="module")
-def worker_in_engine():
-    """For a module's engines: the worker in the engine-core process
-    (VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1), one process start fewer per engine;
-    the same kernels run. Modules that test the process layout, serving or
-    tensor parallelism keep the default."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_BACKEND_WORKER_IN_ENGINE", "1")
-        yield
-
-
 @pytest.fixture
 def exact_lm_head(monkeypatch):
     """The LM head on the checkpoint's own weights. Quantized checkpoints get an

@@ -4,10 +4,13 @@
   (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as in notebooks and debuggers): the
   worker keeps its bound thread count through start-up, so the model runs on
   every bound CPU, one OpenMP thread pinned per CPU.
-- `LLM(...)` with `VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1`: the worker runs inside
-  the engine-core process (no separate worker process), on a thread of its own
-  when it is bound to every CPU (so async scheduling still overlaps), with the
-  same pinning, and gives the same tokens."""
+- `LLM(...)` by default: the worker runs inside the engine-core process (no
+  separate worker process), on a thread of its own when it is bound to every
+  CPU (so async scheduling still overlaps), with the same pinning, and gives
+  the same tokens;
+- `LLM(...)` with `VLLM_CPU_BACKEND_WORKER_IN_ENGINE=0`: the host's layout, a
+  worker process beside the engine core, pinned by the environment the host's
+  executor gives it; the same tokens again."""
 
 from __future__ import annotations
 
@@ -40,12 +43,11 @@ print("RESULT " + json.dumps({"bound_cpus": rep["bound_cpus"], "worker_threads":
 
 
 # Every CPU: "auto" may leave one for the frontend, and one thread would hide the bug.
-ENV = {"VLLM_CPU_OMP_THREADS_BIND": "all", "VLLM_CPU_KVCACHE_SPACE": "1",
-       "VLLM_CPU_BACKEND_WORKER_IN_ENGINE": "1"}
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "all", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-def test_single_rank_worker_pins_its_threads_in_the_caller_and_in_the_engine_process(tiny_llama, monkeypatch):
+def test_single_rank_worker_pins_its_threads_in_every_layout(tiny_llama, monkeypatch):
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, tiny_llama, json.dumps(PROMPT), str(NEW_TOKENS)], capture_output=True, text=True, timeout=300,
         env=_env({**ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
@@ -61,6 +63,7 @@ def test_single_rank_worker_pins_its_threads_in_the_caller_and_in_the_engine_pro
 
     for key, value in ENV.items():
         monkeypatch.setenv(key, value)
+    monkeypatch.delenv("VLLM_CPU_BACKEND_WORKER_IN_ENGINE", raising=False)  # the default
     with running_llm(tiny_llama, dtype="float32", max_model_len=256) as llm:
         rep = report(llm)
         engine = psutil.Process(rep["pid"])
@@ -73,3 +76,14 @@ def test_single_rank_worker_pins_its_threads_in_the_caller_and_in_the_engine_pro
     assert rep["thread"].startswith(THREAD_NAME), rep["thread"]
     assert rep["omp_thread_cpus"] == [[cpu] for cpu in rep["bound_cpus"]], rep
     assert got["tokens"] == list(want.outputs[0].token_ids)
+
+    monkeypatch.setenv("VLLM_CPU_BACKEND_WORKER_IN_ENGINE", "0")
+    with running_llm(tiny_llama, dtype="float32", max_model_len=256) as llm:
+        rep = report(llm)
+        worker = psutil.Process(rep["pid"])
+        title, engine_title = " ".join(worker.cmdline()), " ".join(psutil.Process(worker.ppid()).cmdline())
+        (own_process,) = greedy(llm, [PROMPT], NEW_TOKENS)
+    assert title.startswith("VLLM::Worker") and engine_title.startswith("VLLM::EngineCore"), (title, engine_title)
+    assert rep["torch_threads"] == len(cpus)
+    assert rep["omp_thread_cpus"] == [[cpu] for cpu in rep["bound_cpus"]], rep
+    assert list(own_process.outputs[0].token_ids) == got["tokens"]

@@ -26,9 +26,6 @@ import pytest
 
 from integration.conftest import greedy, report, running_llm
 
-# 13 engines: each one process start fewer with the worker in the engine core.
-pytestmark = pytest.mark.usefixtures("worker_in_engine")
-
 QUANTIZED = ["fp8_e5m2", "fp8_e4m3", "int8_per_token_head", "fp8_per_token_head"]
 CONTINUATION = 320
 PROMPT = "Once upon a time, there was a little girl named Lily who"

@@ -24,8 +24,6 @@ from integration.conftest import closeness, logprob_run
 MAX_RATIO = 1.005
 MIN_SAME = 0.995
 
-pytestmark = pytest.mark.usefixtures("worker_in_engine")
-
 
 def run(model: str, token_ids: list[int], mode: str | None) -> tuple[dict, dict]:
     """(logprob summary, worker report) with the variable set to `mode` (None: unset)."""

@@ -26,9 +26,8 @@ from integration import models
 from integration.conftest import greedy, hf_greedy, report, running_llm
 from plugin_tests import quant_reference as ref
 
-# The references are the checkpoints' dequantized weights, head included;
-# the worker runs in the engine core (one process start fewer per engine).
-pytestmark = pytest.mark.usefixtures("exact_lm_head", "worker_in_engine")
+# The references are the checkpoints' dequantized weights, head included.
+pytestmark = pytest.mark.usefixtures("exact_lm_head")
 
 NEW_TOKENS = 24
 NEAR_TIE = 0.1  # logits: W4A8 may part ways with its reference only at a closer top-2

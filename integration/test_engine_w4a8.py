@@ -19,8 +19,6 @@ import pytest
 
 from integration.conftest import closeness, logprob_run
 
-pytestmark = pytest.mark.usefixtures("worker_in_engine")
-
 # measured (2026-12-01 10:10 UTC, both with the bf16 LM head, then the default):
 # x0.9965 (11.124 vs 11.163), top-1 462 of 462
 MAX_RATIO = 1.03

@@ -29,9 +29,8 @@ import pytest
 from integration import models
 from integration.conftest import greedy, report, running_llm
 
-# The references are the checkpoints' dequantized weights, head included;
-# the worker runs in the engine core (one process start fewer per engine).
-pytestmark = pytest.mark.usefixtures("exact_lm_head", "worker_in_engine")
+# The references are the checkpoints' dequantized weights, head included.
+pytestmark = pytest.mark.usefixtures("exact_lm_head")
 
 NEW_TOKENS = 24
 # Teacher-forced bounds (see module docstring): every token vLLM picks is within

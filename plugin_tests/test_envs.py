@@ -56,7 +56,8 @@ def test_kvcache_space(monkeypatch):
 
 
 @pytest.mark.parametrize("name,parser", [("VLLM_CPU_BACKEND_STEP_GRAPHS", "step_graphs"),
-                                         ("VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS", "huge_page_weights")])
+                                         ("VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS", "huge_page_weights"),
+                                         ("VLLM_CPU_BACKEND_WORKER_IN_ENGINE", "worker_in_engine")])
 def test_flags_on_by_default(monkeypatch, name, parser):
     monkeypatch.delenv(name, raising=False)
     assert getattr(envs, parser)() is True

@@ -4,8 +4,8 @@ With several ranks the host's multiprocessing executor starts each worker with
 `OMP_PLACES`/`OMP_PROC_BIND` (or `KMP_AFFINITY`/`GOMP_CPU_AFFINITY`) for the
 explicit CPU list our platform planned (cpu_backend.topology), so the OpenMP
 runtime pins one thread per CPU (the host does this for a single rank too). A
-worker inside an already running process (the engine core with
-VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1, or the caller's with
+worker inside an already running process (the engine core, a single rank's
+default, see VLLM_CPU_BACKEND_WORKER_IN_ENGINE; or the caller's with
 VLLM_ENABLE_V1_MULTIPROCESSING=0) finds its OpenMP runtime started before any
 placement could be set: there the pool's threads pin themselves one per CPU
 (our `pin_threads` op, csrc/threads.cpp). Here the

@@ -1,8 +1,8 @@
 """A single rank's worker on a thread of the engine-core process: replaces vLLM's
-`vllm.v1.executor.uniproc_executor.UniProcExecutor` when
-`VLLM_CPU_BACKEND_WORKER_IN_ENGINE=1` and the worker is bound to every CPU the
-process may use (cpu_backend.platform picks it; with CPUs left for the
-frontend the host's class keeps the worker on the engine's thread).
+`vllm.v1.executor.uniproc_executor.UniProcExecutor` when the worker runs in the
+engine (a single rank's default, see `VLLM_CPU_BACKEND_WORKER_IN_ENGINE`) and is
+bound to every CPU the process may use (cpu_backend.platform picks it; with CPUs
+left for the frontend the host's class keeps the worker on the engine's thread).
 
 Why not the host's class: it runs the worker on the engine core's own thread.
 On a GPU that thread only launches kernels, so async scheduling still overlaps
