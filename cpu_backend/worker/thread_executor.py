@@ -61,8 +61,15 @@ class WorkerThreadExecutor(UniProcExecutor):
         pool = getattr(self, "_worker_thread", None)
         if pool is None:
             return
+        self._worker_thread = None
         try:
-            pool.submit(super().shutdown).result()
+            try:
+                future = pool.submit(super().shutdown)
+            except RuntimeError:
+                # At interpreter exit (an `LLM` left to the garbage collector):
+                # concurrent.futures' exit hook has already stopped the thread.
+                super().shutdown()
+            else:
+                future.result()
         finally:
             pool.shutdown(wait=True)
-            self._worker_thread = None
