@@ -106,6 +106,20 @@ def test_small_steps_replay_captured_graphs(llm, tiny_llama):
     assert got == hf_greedy(tiny_llama, prompts, NEW_TOKENS)
 
 
+def test_larger_steps_replay_one_graph_for_every_count(llm, tiny_llama):
+    """Steps of more than step_graphs.MAX_TOKENS tokens (prefills here): two
+    of different counts are recorded, a third checks the graph made of them
+    against eager, later ones of any count replay it; the tokens match
+    transformers."""
+    before = report(llm)["step_graphs"]
+    prompts = random_prompts([70, 90, 110, 130, 75], seed=7)
+    got = [list(greedy(llm, [p], 4)[0].outputs[0].token_ids) for p in prompts]
+    graphs = report(llm)["step_graphs"]
+    assert graphs["generic"]["on"] and graphs["generic"]["checked"], graphs["generic"]
+    assert graphs["generic"]["replays"] - before["generic"]["replays"] >= 2, (before, graphs)
+    assert got == hf_greedy(tiny_llama, prompts, 4)
+
+
 def test_batch_of_different_lengths_matches_transformers(llm, tiny_llama):
     prompts = random_prompts([1, 2, 7, 15, 16, 17, 33, 64, 100, 5], seed=2)
     got = [o.outputs[0].token_ids for o in greedy(llm, prompts, NEW_TOKENS)]

@@ -312,9 +312,74 @@ def test_step_graphs_capture_each_token_count_once_and_replay_it():
     assert report["replays"] == 3
     assert report["op_calls"]["cpu_backend::fused_add_rms_norm"] == 3
     assert graphs.covers(torch.zeros(8, dtype=torch.long), None, None, {})
-    assert not graphs.covers(torch.zeros(9, dtype=torch.long), None, None, {})
+    assert graphs.covers(torch.zeros(9, dtype=torch.long), None, None, {})  # the graph for larger steps
+    assert not StepGraphs(module, max_tokens=8, generic=False).covers(
+        torch.zeros(9, dtype=torch.long), None, None, {})
     assert not graphs.covers(None, None, torch.zeros(1, HIDDEN), {})
     assert not graphs.covers(torch.zeros(1, dtype=torch.long), None, None, {"extra": 1})
+
+
+def _same_outputs(got, want) -> bool:
+    if isinstance(want, torch.Tensor):
+        return torch.equal(got, want)
+    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@torch.inference_mode()
+def test_steps_above_max_tokens_share_one_graph_for_every_count():
+    """Two steps of different counts above max_tokens are recorded (their
+    integer arguments as slope * T + offset), the graph is checked against
+    eager at a third count, then replays every count; steps of the recorded
+    counts run eagerly until the check. Outputs always equal the module's."""
+    module = TinyStep()
+    graphs = StepGraphs(module, max_tokens=4)
+    # (count, whether the graph for larger steps is checked after the step)
+    plan = [(9, False), (9, False), (13, False), (13, False), (11, True), (6, True), (30, True),
+            (9, True), (2, True)]
+    for seed, (n, checked) in enumerate(plan):
+        ids, pos = inputs(n, seed)
+        assert _same_outputs(graphs(ids, pos), module(input_ids=ids, positions=pos)), n
+        assert graphs.report()["generic"]["checked"] == checked, n
+    report = graphs.report()
+    assert report["generic"] == {"on": True, "checked": True, "above": 4, "replays": 3}
+    assert report["token_counts"] == [2] and report["replays"] == 3
+    assert report["op_calls"]["cpu_backend::fused_add_rms_norm"] == 3
+    assert "T = input_ids.shape[0]" in graphs.generic.source
+
+
+@torch.inference_mode()
+def test_sizes_not_linear_in_the_token_count_keep_larger_steps_eager():
+    """A size that is not slope * T + offset (here T * T // 8) is caught (by
+    the fit, or by the check at a third count): larger steps stay eager, with
+    right outputs, and the graphs of small counts are unaffected."""
+    def step(input_ids, positions):
+        count = input_ids.shape[0]
+        return input_ids.float().sum() + torch.ones(count * count // 8), positions * 2
+
+    graphs = StepGraphs(step, max_tokens=4)
+    for seed, n in enumerate([6, 9, 13, 17, 23, 3, 3, 31]):
+        ids, pos = inputs(n, seed)
+        assert _same_outputs(graphs(ids, pos), step(ids, pos)), n
+    report = graphs.report()
+    assert report["generic"]["on"] is False and graphs.generic is None
+    assert report["token_counts"] == [3] and report["replays"] == 1 and graphs.enabled
+    assert not graphs.covers(torch.zeros(9, dtype=torch.long), None, None, {})
+
+
+@torch.inference_mode()
+def test_a_larger_step_whose_python_branches_on_the_count_is_caught_by_the_check():
+    """Recorded at 6 and 8 tokens, the graph is wrong from 10 tokens on (the
+    step's Python takes another branch there): the check against eager at the
+    third count finds it, and larger steps stay eager with right outputs."""
+    def step(input_ids, positions):
+        scale = 3.0 if input_ids.shape[0] >= 10 else 2.0
+        return input_ids.float() * scale + positions
+
+    graphs = StepGraphs(step, max_tokens=4)
+    for seed, n in enumerate([6, 8, 12, 14, 7]):
+        ids, pos = inputs(n, seed)
+        assert torch.equal(graphs(ids, pos), step(ids, pos)), n
+    assert graphs.report()["generic"] == {"on": False, "checked": False, "above": 4, "replays": 0}
 
 
 @torch.inference_mode()

@@ -141,7 +141,8 @@ class CpuBackendModelRunner(CPUModelRunner):
             if why_not:
                 logger.info("cpu_backend: steps run eagerly (%s).", why_not)
             else:
-                logger.info("cpu_backend: steps of up to %d tokens run from captured graphs.",
+                logger.info("cpu_backend: steps of up to %d tokens run from captured graphs, "
+                            "larger ones from one graph for every count.",
                             self._cpu_backend_step_graphs.max_tokens)
         return self._cpu_backend_step_graphs
 

@@ -12,8 +12,13 @@ Here the first forward of each small token count is recorded (a torch
 dispatch mode sees every op the step runs, with its arguments) and turned into
 one straight-line Python function of torch ops: our kernels, the host's opaque
 attention ops, views and allocations, specialised to that count's shapes.
-Later forwards of that count run that function instead of the modules. The
-attention ops stay opaque, as in the host's piecewise CUDA graphs: they read
+Later forwards of that count run that function instead of the modules.
+Steps of more tokens than that (prefills, chunked-prefill batches) share one
+graph for every count: two such steps of different counts are recorded with
+their integer arguments left open, each that differs between them must be
+slope * T + offset in the step's token count T (a size in tokens), and the
+graph is checked against eager at a third count (`_generalize`); it keeps no
+buffers (it allocates as the model does). The attention ops stay opaque, as in the host's piecewise CUDA graphs: they read
 the step's metadata from the forward context when they run, so one graph
 serves every step of its token count. A `lower` hook may record a direct call
 in an op's place (`cpu_backend.attention.step_ops`: the host's attention ops
@@ -47,7 +52,10 @@ goes back to eager for good, with a warning.
 from __future__ import annotations
 
 import math
+import re
 import time
+import types
+import weakref
 from collections import Counter
 from typing import Callable
 
@@ -70,6 +78,9 @@ MAX_TOKENS = 64
 # buffers for Qwen2.5-0.5B).
 CAPTURE_AT_FIRST = 16
 CAPTURE_AT_SIGHTING = 4
+# Larger steps share one graph for every token count (StepGraphs._generic_step);
+# pairs of recordings whose ops differ are tried this many times.
+GENERIC_ATTEMPTS = 3
 
 # lower(op, args, kwargs) -> (call, args, name for reports) to record in the
 # op's place (after the op ran), or None to record the op itself. The call
@@ -101,13 +112,93 @@ class StepGraph:
         return output, cls(source, recorder.constants, recorder.op_counts, recorder.buffer_bytes)
 
 
+class _Sample:
+    """A step recorded with its integer arguments as placeholders, for a graph
+    of every token count (`_generalize`)."""
+
+    def __init__(self, count: int, recorder: "_Recorder", output):
+        self.count = count
+        self.template = recorder.source(output)
+        self.ints = recorder.ints
+        self.constants = recorder.constants
+        self.op_counts = recorder.op_counts
+
+    @classmethod
+    def record(cls, forward: Callable, input_ids: torch.Tensor, positions: torch.Tensor,
+               lower: Lowering | None = None):
+        """Run `forward` once for real; returns its output and the sample."""
+        recorder = _Recorder({id(input_ids): "input_ids", id(positions): "positions"}, lower,
+                             symbolic_ints=True)
+        with recorder:
+            output = forward(input_ids=input_ids, positions=positions)
+        return output, cls(input_ids.shape[0], recorder, output)
+
+
+_INT = "__int{}__"
+_INT_PLACEHOLDER = re.compile(r"__int(\d+)__")
+
+
+def _generalize(a: _Sample, b: _Sample) -> StepGraph | None:
+    """One graph for any token count T, from steps recorded at counts a != b:
+    they must run the same ops on the same constants, and each integer
+    argument that differs between them must be an exact slope * T + offset (a
+    size in tokens); None otherwise."""
+    if (a.template != b.template or len(a.ints) != len(b.ints)
+            or a.constants.keys() != b.constants.keys()
+            or not all(_same_constant(a.constants[k], b.constants[k]) for k in a.constants)):
+        return None
+    values = []
+    for x, y in zip(a.ints, b.ints):
+        if x == y:
+            values.append(repr(x))
+            continue
+        slope, rest = divmod(y - x, b.count - a.count)
+        if rest:
+            return None
+        values.append(f"({slope} * T + {x - slope * a.count})")
+    header, body = _INT_PLACEHOLDER.sub(lambda m: values[int(m.group(1))], a.template).split("\n", 1)
+    return StepGraph(f"{header}\n    T = input_ids.shape[0]\n{body}", a.constants, a.op_counts)
+
+
+def _same_constant(a, b) -> bool:
+    """Whether two recordings' constants are interchangeable: the same object,
+    a view of the same memory, or a function of the same code over such
+    values (a lowered op's closure)."""
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
+                and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
+    if isinstance(a, types.FunctionType) or isinstance(b, types.FunctionType):
+        if not (isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType)
+                and a.__code__ is b.__code__):
+            return False
+        cells_a, cells_b = a.__closure__ or (), b.__closure__ or ()
+        return len(cells_a) == len(cells_b) and all(
+            _same_constant(x.cell_contents, y.cell_contents) for x, y in zip(cells_a, cells_b))
+    if isinstance(a, (list, tuple)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_same_constant(x, y) for x, y in zip(a, b)))
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - not comparable: not the same
+        return False
+
+
 class _Recorder(TorchDispatchMode):
     """Writes each dispatched op as a line of Python; tensors the step did not
     make (weights, caches, buffers) become constants, referenced, not copied."""
 
-    def __init__(self, inputs: dict[int, str], lower: Lowering | None = None):
+    def __init__(self, inputs: dict[int, str], lower: Lowering | None = None,
+                 symbolic_ints: bool = False):
         super().__init__()
         self.lower = lower
+        # Integer arguments as placeholders (`_INT.format(index)`), their
+        # values in `ints`, for a graph of any token count (`_generalize`);
+        # such a step keeps no buffers (their sizes would depend on the count).
+        self.symbolic_ints = symbolic_ints
+        self.ints: list[int] = []
         self.names = dict(inputs)   # id(tensor) -> the variable holding it
         self.constant_names: dict[int, str] = {}
         self.alive: list = []       # every tensor seen, so no id is reused
@@ -140,7 +231,7 @@ class _Recorder(TorchDispatchMode):
             # view(x, x.shape), detach(x)...: x itself serves its readers, one
             # op fewer per replay (a quarter of a decode step's ops).
             self.names[id(out)] = self.names[id(args[0])]
-            self.alive.append(out)
+            self._track(out)
             return out
         lowered = self.lower(func, args, kwargs) if self.lower is not None else None
         if lowered is not None:
@@ -161,12 +252,13 @@ class _Recorder(TorchDispatchMode):
         self.line_ops.append(op_name)
         self.prologue = (op_name, exprs, read) if op_name in _PROLOGUES and not kwargs else None
         self.op_counts[op_name] += 1
-        self.alive.append(out)
+        self._track(out)
         self.storages[target] = _storages(out)
         if (func is torch.ops.aten.empty.memory_format and lowered is None
-                and isinstance(out, torch.Tensor) and out.numel() > 0):
+                and isinstance(out, torch.Tensor) and out.numel() > 0 and not self.symbolic_ints):
             self.fresh[target] = out
-        if lowered is None and getattr(func, "is_view", False) and len(read) == 1:
+        if (lowered is None and getattr(func, "is_view", False) and len(read) == 1
+                and not self.symbolic_ints):
             self.views[target] = out
         if isinstance(out, torch.Tensor):
             self.names[id(out)] = target
@@ -187,9 +279,10 @@ class _Recorder(TorchDispatchMode):
         self.lines.append((f"{buffer} = {self._constant(torch.empty)}({shape}, "
                            f"dtype={self._expr(out.dtype, [])}, device={self._expr(out.device, [])})", []))
         self.line_ops.append("aten::empty.memory_format")
-        self.alive.append(out)
+        self._track(out)
         self.storages[buffer] = _storages(out)
-        self.fresh[buffer] = out
+        if not self.symbolic_ints:
+            self.fresh[buffer] = out
         self.names[id(out)] = buffer
         read = [buffer]
         arguments = [self._expr(a, read) for a in into.arguments(func, args, kwargs)]
@@ -205,6 +298,18 @@ class _Recorder(TorchDispatchMode):
         self.op_counts[op_name] += 1
         self.op_counts["aten::empty.memory_format"] += 1
         return out
+
+    def _track(self, value) -> None:
+        """Keeps the ids of the step's tensors unique while they have names.
+        A graph of one count holds them (the step is small); a sample forgets
+        a tensor's id when it dies, so a large step's activations are freed as
+        in eager instead of all kept to its end."""
+        if not self.symbolic_ints:
+            self.alive.append(value)
+            return
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, torch.Tensor):
+                weakref.finalize(item, self.names.pop, id(item), None)
 
     def _take_prologue(self, into: _OutForm, func, args: tuple) -> tuple | None:
         """The step's last line, if it is a prologue (`_PROLOGUES`) writing the
@@ -245,6 +350,9 @@ class _Recorder(TorchDispatchMode):
         if isinstance(value, (list, tuple)):
             items = [self._expr(item, read) for item in value]
             return f"[{', '.join(items)}]" if isinstance(value, list) else f"({', '.join(items)},)"
+        if self.symbolic_ints and isinstance(value, int) and not isinstance(value, bool):
+            self.ints.append(value)
+            return _INT.format(len(self.ints) - 1)
         if value is None or isinstance(value, (bool, int, str)):
             return repr(value)
         if isinstance(value, float) and math.isfinite(value):
@@ -260,7 +368,8 @@ class _Recorder(TorchDispatchMode):
         """The step as a function; each value is dropped after its last use."""
         read: list[str] = []
         result = self._expr(output, read)
-        self._plan_buffers(_storages(output))
+        if not self.symbolic_ints:
+            self._plan_buffers(_storages(output))
         last_use: dict[str, int] = {}
         for index, (_, names) in enumerate(self.lines):
             for name in names:
@@ -410,7 +519,7 @@ class StepGraphs:
     def __init__(self, forward: Callable[..., torch.Tensor], max_tokens: int = MAX_TOKENS,
                  lower: Lowering | None = None, capture_at_first: int = CAPTURE_AT_FIRST,
                  capture_at_sighting: int = CAPTURE_AT_SIGHTING,
-                 buffer_budget: int | None = None):
+                 buffer_budget: int | None = None, generic: bool = True):
         self._forward = forward
         self._lower = lower
         self.max_tokens = max_tokens
@@ -424,14 +533,25 @@ class StepGraphs:
         self.eager_steps: Counter[tuple] = Counter()  # of larger counts not captured yet
         self.over_budget: set[tuple] = set()  # keys whose graph would not fit the budget
         self.enabled = True
+        # Steps of more than max_tokens: one graph for every count (no
+        # buffers: it allocates as the model does), made from two steps
+        # recorded at different counts and checked against eager at a third.
+        self.generic_on = generic
+        self.generic: StepGraph | None = None
+        self.generic_checked = False
+        self.generic_replays = 0
+        self._samples: list[_Sample] = []
+        self._generic_misses = 0
 
     def covers(self, input_ids: torch.Tensor | None, intermediate_tensors,
                inputs_embeds, model_kwargs: dict) -> bool:
         return (self.enabled and input_ids is not None and intermediate_tensors is None
                 and inputs_embeds is None and not model_kwargs
-                and input_ids.shape[0] <= self.max_tokens)
+                and (input_ids.shape[0] <= self.max_tokens or self.generic_on))
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[0] > self.max_tokens:
+            return self._generic_step(input_ids, positions)
         key = (tuple(input_ids.shape), input_ids.dtype, tuple(positions.shape), positions.dtype)
         graph = self.graphs.get(key)
         if graph is not None:
@@ -491,6 +611,59 @@ class StepGraphs:
                     count, time.perf_counter() - start, graph.num_ops)
         return output
 
+    def _generic_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        count = input_ids.shape[0]
+        if self.generic_checked:
+            self.generic_replays += 1
+            return self.generic.run(input_ids, positions)
+        if count in (sample.count for sample in self._samples):
+            return self._forward(input_ids=input_ids, positions=positions)
+        if self.generic is not None:
+            return self._check_generic(input_ids, positions)
+        try:
+            output, sample = _Sample.record(self._forward, input_ids, positions, self._lower)
+        except Exception as error:  # noqa: BLE001 - as in _capture: eager, not a dead engine
+            self._generic_off(f"recording a step of {count} tokens failed ({error!r})")
+            return self._forward(input_ids=input_ids, positions=positions)
+        self._samples.append(sample)
+        if len(self._samples) == 2:
+            self.generic = _generalize(*self._samples)
+            if self.generic is None:
+                self._generic_misses += 1
+                if self._generic_misses >= GENERIC_ATTEMPTS:
+                    self._generic_off(f"steps of {self._samples[0].count} and {count} tokens ran "
+                                      "different ops")
+                self._samples = self._samples[1:]
+        return output
+
+    def _check_generic(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The first replay of the graph for every count, at a count neither
+        recording had: it must match a fresh eager run bit for bit."""
+        count = input_ids.shape[0]
+        try:
+            replayed = self.generic.run(input_ids, positions)
+        except Exception as error:  # noqa: BLE001
+            self._generic_off(f"the graph for larger steps failed at {count} tokens ({error!r})")
+            return self._forward(input_ids=input_ids, positions=positions)
+        output = self._forward(input_ids=input_ids, positions=positions)
+        if not _same(output, replayed):
+            self._generic_off(f"the graph for larger steps differs from eager at {count} tokens")
+            return output
+        self.generic_checked = True
+        logger.info("cpu_backend: one step graph for every count above %d tokens (recorded at "
+                    "%d and %d tokens, checked at %d; %d ops)", self.max_tokens,
+                    self._samples[0].count, self._samples[1].count, count, self.generic.num_ops)
+        self._samples = []
+        return output
+
+    def _generic_off(self, why: str) -> None:
+        logger.warning("cpu_backend: %s; steps of more than %d tokens run eagerly.", why,
+                       self.max_tokens)
+        self.generic_on = False
+        self.generic = None
+        self.generic_checked = False
+        self._samples = []
+
     def report(self) -> dict:
         """What ran from graphs in this process, for the worker report."""
         op_calls: Counter[str] = Counter()
@@ -498,8 +671,15 @@ class StepGraphs:
             if key in self.graphs:
                 for op, calls in self.graphs[key].op_counts.items():
                     op_calls[op] += calls * replays
+        if self.generic_checked:
+            for op, calls in self.generic.op_counts.items():
+                op_calls[op] += calls * self.generic_replays
         return {"on": self.enabled, "token_counts": sorted(key[0][0] for key in self.graphs),
-                "replays": sum(self.replays.values()), "op_calls": dict(op_calls),
+                "replays": sum(self.replays.values()) + self.generic_replays,
+                "op_calls": dict(op_calls),
+                "generic": {"on": self.enabled and self.generic_on,
+                            "checked": self.generic_checked, "above": self.max_tokens,
+                            "replays": self.generic_replays},
                 "buffer_bytes": self.buffer_bytes(), "buffer_budget": self.buffer_budget}
 
     def _give_up(self, why: str) -> None:
