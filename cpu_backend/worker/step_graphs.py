@@ -18,11 +18,12 @@ graph for every count: two such steps of different counts are recorded with
 their integer arguments left open, each that differs between them must be
 slope * T + offset in the step's token count T (a size in tokens), and the
 graph is checked against eager at a third count (`_generalize`); it keeps no
-buffers (it allocates as the model does). The attention ops stay opaque, as in the host's piecewise CUDA graphs: they read
-the step's metadata from the forward context when they run, so one graph
-serves every step of its token count. A `lower` hook may record a direct call
-in an op's place (`cpu_backend.attention.step_ops`: the host's attention ops
-become calls of our attention kernels). Recording costs about one step plus
+buffers (it allocates as the model does). The attention ops stay opaque, as
+in the host's piecewise CUDA graphs: they read the step's metadata from the
+forward context when they run, so one graph serves every step of its token
+count. A `lower` hook may record a direct call in an op's place
+(`cpu_backend.attention.step_ops`: the host's attention ops become calls of
+our attention kernels). Recording costs about one step plus
 ~20 us per op (make_fx, which builds fake tensors for every node, took 2-3 s).
 
 As in a CUDA graph's memory pool, a step's scratch activations live in
@@ -631,8 +632,8 @@ class StepGraphs:
             if self.generic is None:
                 self._generic_misses += 1
                 if self._generic_misses >= GENERIC_ATTEMPTS:
-                    self._generic_off(f"steps of {self._samples[0].count} and {count} tokens ran "
-                                      "different ops")
+                    self._generic_off(f"steps of {self._samples[0].count} and {count} tokens "
+                                      "could not share a graph")
                 self._samples = self._samples[1:]
         return output
 
