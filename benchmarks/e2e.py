@@ -376,7 +376,8 @@ def write_report(state: dict, quick: bool) -> None:
     n_prompts = 16 if quick else 64
     L.append(f"- Workload (token-id prompts, `SamplingParams(temperature=0, ignore_eos=True)`, fresh "
              "random prompts every request so the prefix cache never hits): engine start = `LLM(...)` "
-             "construction until ready; TTFT = median wall time of single 128-token requests with "
+             "construction until ready; first 3 warm-up requests (prompts of 96, 160 and 128 tokens, "
+             "8 new tokens); TTFT = median wall time of single 128-token requests with "
              "max_tokens=1; decode = one 128-token prompt generating 128 tokens, 127 / (total − TTFT), "
              f"median; throughput = {n_prompts} random 128-token prompts × 128 output tokens in one "
              "`generate` call after a warm-up call (like `vllm bench throughput --dataset-name random "
