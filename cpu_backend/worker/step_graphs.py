@@ -106,9 +106,7 @@ class StepGraph:
     def record(cls, forward: Callable, input_ids: torch.Tensor, positions: torch.Tensor,
                lower: Lowering | None = None):
         """Run `forward` once for real; returns its output and the graph of it."""
-        recorder = _Recorder({id(input_ids): "input_ids", id(positions): "positions"}, lower)
-        with recorder:
-            output = forward(input_ids=input_ids, positions=positions)
+        output, recorder = _record(forward, input_ids, positions, lower)
         source = recorder.source(output)
         return output, cls(source, recorder.constants, recorder.op_counts, recorder.buffer_bytes)
 
@@ -128,11 +126,18 @@ class _Sample:
     def record(cls, forward: Callable, input_ids: torch.Tensor, positions: torch.Tensor,
                lower: Lowering | None = None):
         """Run `forward` once for real; returns its output and the sample."""
-        recorder = _Recorder({id(input_ids): "input_ids", id(positions): "positions"}, lower,
-                             symbolic_ints=True)
-        with recorder:
-            output = forward(input_ids=input_ids, positions=positions)
+        output, recorder = _record(forward, input_ids, positions, lower, symbolic_ints=True)
         return output, cls(input_ids.shape[0], recorder, output)
+
+
+def _record(forward: Callable, input_ids: torch.Tensor, positions: torch.Tensor,
+            lower: Lowering | None, symbolic_ints: bool = False) -> tuple[object, "_Recorder"]:
+    """Run `forward` once for real under a recorder; its output and the recorder."""
+    recorder = _Recorder({id(input_ids): "input_ids", id(positions): "positions"}, lower,
+                         symbolic_ints)
+    with recorder:
+        output = forward(input_ids=input_ids, positions=positions)
+    return output, recorder
 
 
 _INT = "__int{}__"
