@@ -153,10 +153,21 @@ class CpuBackendPlatform(CpuPlatform):
             vllm_config.compilation_config.mode = CompilationMode.NONE
 
     @classmethod
+    def pre_register_and_update(cls, parser=None) -> None:
+        """The serve command's model argument may name a GGUF file
+        (cpu_backend.gguf.cli types it before the host reads a config)."""
+        super().pre_register_and_update(parser)
+        if parser is not None:
+            from cpu_backend.gguf import cli
+
+            cli.install(parser)
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         envs.validate_all()
         isa.selected_path()  # a bad VLLM_CPU_BACKEND_ISA fails here
         _check_model(vllm_config)
+        _load_gguf_from_its_file(vllm_config)
         _plan_threads_bind(vllm_config)
 
         parallel_config = vllm_config.parallel_config
@@ -220,6 +231,27 @@ def _validate_with(backend_cls, cfg: AttentionSelectorConfig) -> list[str]:
     if "device_capability" in accepted:
         kwargs["device_capability"] = None
     return backend_cls.validate_configuration(**kwargs)
+
+
+def _load_gguf_from_its_file(vllm_config: VllmConfig) -> None:
+    """A GGUF model's folder (cpu_backend.gguf.model_dir) holds no weights:
+    they load from its file (load format "gguf")."""
+    model_config = vllm_config.model_config
+    from cpu_backend.gguf.model_dir import QUANT_METHOD
+
+    if model_config is None or model_config.quantization != QUANT_METHOD:
+        return
+    from cpu_backend.gguf.loader import LOAD_FORMAT
+
+    load_config = vllm_config.load_config
+    if load_config.load_format not in ("auto", LOAD_FORMAT):
+        raise ConfigError(f"--load-format {load_config.load_format} cannot load a GGUF model: "
+                          f"leave it unset (or use {LOAD_FORMAT}).")
+    load_config.load_format = LOAD_FORMAT
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if tp > 1:
+        raise ConfigError(f"--tensor-parallel-size {tp}: GGUF models run on one rank in "
+                          "cpu_backend for now (use --data-parallel-size, or a GPTQ/AWQ copy).")
 
 
 def _check_model(vllm_config: VllmConfig) -> None:

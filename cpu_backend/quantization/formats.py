@@ -194,7 +194,8 @@ def ct_unpack(weight_packed, weight_scale, weight_zero_point, bits: int) -> dict
 # --------------------------------------------------------- kernel layout ---
 
 
-def kernel_layout(q, zero, scale, g_idx, bits: int, drop_symmetric_zs: bool = False) -> dict:
+def kernel_layout(q, zero, scale, g_idx, bits: int, drop_symmetric_zs: bool = False,
+                  zs: torch.Tensor | None = None) -> dict:
     """Integer view -> the operands of cpu_backend::wna16_linear.
 
     Returns qweight [P, B, 64] uint8, scales / zs [P, G, 16] float32,
@@ -208,6 +209,9 @@ def kernel_layout(q, zero, scale, g_idx, bits: int, drop_symmetric_zs: bool = Fa
     KW); block b is 16 little-endian 32-bit words, word c = sum over i < KW of
     q[16p + c, KW*b + i] << (bits*i). One 64-byte load thus gives KW inputs of
     16 columns, and the kernel takes field i out with one AND (or one shift).
+    `zs` [N, G] (optional) gives the zero term itself, for formats whose
+    weight is q * scale + min with a float min (GGUF's Q4_1, Q4_K, ...);
+    `zero` is then ignored.
     Raises ValueError when the groups of g_idx are not all the same size.
     """
     n, k = q.shape
@@ -233,10 +237,11 @@ def kernel_layout(q, zero, scale, g_idx, bits: int, drop_symmetric_zs: bool = Fa
         words = words[..., 0]
     blocks = words.reshape(p, KERNEL_NR, -1, 4).permute(0, 2, 1, 3)  # [P, B, 16, 4]
     s = torch.nn.functional.pad(scale.float(), (0, 0, 0, pad))
-    if drop_symmetric_zs and bool((zero == 1 << (bits - 1)).all()):
+    if zs is None and drop_symmetric_zs and bool((zero == 1 << (bits - 1)).all()):
         zs = torch.empty(0, dtype=torch.float32)
     else:
-        zs = torch.nn.functional.pad(-zero.float() * scale.float(), (0, 0, 0, pad))
+        zs = -zero.float() * scale.float() if zs is None else zs.float()
+        zs = torch.nn.functional.pad(zs, (0, 0, 0, pad))
         zs = zs.reshape(p, KERNEL_NR, g).permute(0, 2, 1).contiguous()
     return {
         "qweight": blocks.reshape(p, -1, 64).contiguous(),
@@ -245,3 +250,24 @@ def kernel_layout(q, zero, scale, g_idx, bits: int, drop_symmetric_zs: bool = Fa
         "group_size": gs,
         "perm": None if identity else perm.contiguous(),
     }
+
+
+def kernel_rows(qweight, scales, zs, bits: int, group_size: int, rows: torch.Tensor) -> torch.Tensor:
+    """float32 [len(rows), K]: output rows (weight rows n) of a kernel_layout
+    without act-order (perm None), dequantized as kernel_layout's input gave
+    them: (q - 2^(bits-1)) * scale with an empty zs, else q * scale + zs.
+    An embedding lookup on a quantized, tied LM head reads its rows this way,
+    so one copy of the matrix serves both."""
+    p_count, blocks_, _ = qweight.shape
+    g = scales.shape[1]
+    p, c = rows // KERNEL_NR, rows % KERNEL_NR
+    words = qweight.reshape(p_count, blocks_, KERNEL_NR, 4)[p, :, c]  # [R, B, 4] bytes
+    if bits == 4:
+        words = torch.stack((words & 0x0F, words >> 4), dim=-1)
+    q = words.reshape(len(rows), g, -1)[..., :group_size].float()  # drop group padding
+    s = scales[p, :, c].unsqueeze(-1)
+    if zs.numel() == 0:
+        w = (q - (1 << (bits - 1))) * s
+    else:
+        w = q * s + zs[p, :, c].unsqueeze(-1)
+    return w.reshape(len(rows), g * group_size)

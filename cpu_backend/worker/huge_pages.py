@@ -153,16 +153,18 @@ class MovedWeights:
 
 def _held_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """Every CPU tensor the model's modules hold directly: parameters,
-    buffers, tensor attributes and the tensor fields of dataclass attributes
-    (the packed copies our linear methods keep)."""
+    buffers, tensor attributes and the tensor fields of dataclass attributes,
+    alone or in a list (the packed copies our linear methods keep)."""
     found: dict[int, torch.Tensor] = {}
     for module in model.modules():
         values = [*module._parameters.values(), *module._buffers.values()]
         for value in vars(module).values():
             if isinstance(value, torch.Tensor):
                 values.append(value)
-            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-                values.extend(getattr(value, f.name) for f in dataclasses.fields(value))
+                continue
+            for item in value if isinstance(value, list) else [value]:
+                if dataclasses.is_dataclass(item) and not isinstance(item, type):
+                    values.extend(getattr(item, f.name) for f in dataclasses.fields(item))
         for t in values:
             if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided
                     and t.untyped_storage().nbytes() > 0):
