@@ -28,6 +28,8 @@ STEP_GRAPHS = "VLLM_CPU_BACKEND_STEP_GRAPHS"
 WORKER_IN_ENGINE = "VLLM_CPU_BACKEND_WORKER_IN_ENGINE"
 # Ours: move the loaded weights onto transparent huge pages, default 1.
 HUGE_PAGE_WEIGHTS = "VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS"
+# Ours: where the config/tokenizer folders derived from GGUF files are cached.
+GGUF_CACHE = "VLLM_CPU_BACKEND_GGUF_CACHE"
 # The host's: serve 4-bit checkpoints with int8 activations (W4A8), default 1.
 INT4_W4A8 = "VLLM_CPU_INT4_W4A8"
 # The host's own flags, read with bool(int(...)) deep inside its workers.
@@ -183,6 +185,20 @@ def lm_head_quant() -> str:
     return value
 
 
+def gguf_cache_dir() -> str:
+    """`VLLM_CPU_BACKEND_GGUF_CACHE`: the folder for what is derived from GGUF
+    files (default `$XDG_CACHE_HOME/vllm-cpu-backend/gguf`, `~/.cache/...`
+    without XDG_CACHE_HOME). It must not be an existing file."""
+    value = _raw(GGUF_CACHE)
+    if value is None:
+        base = _raw("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "vllm-cpu-backend", "gguf")
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise EnvError(GGUF_CACHE, os.environ[GGUF_CACHE], "a directory (this is a file)")
+    return path
+
+
 def int4_w4a8() -> bool:
     """`VLLM_CPU_INT4_W4A8`, read as the host reads it (bool(int(...)), default 1):
     whether 4-bit weight-only linears quantize their activations to int8."""
@@ -217,3 +233,4 @@ def validate_all() -> None:
     step_graphs()
     worker_in_engine()
     huge_page_weights()
+    gguf_cache_dir()

@@ -113,16 +113,24 @@ _LAYER = {  # HF module -> llama.cpp tensor
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
+_LAYER_BY_ARCH = {
+    "gemma3": {**_LAYER, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+    "phi3": {**_LAYER, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"},
+}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Gemma3ForCausalLM": "gemma3",
+         "Phi3ForCausalLM": "phi3"}
 
 
-def gguf_name(hf: str) -> str:
+def gguf_name(hf: str, arch: str = "llama") -> str:
     module, _, kind = hf.rpartition(".")
     if module in _TOP:
         return f"{_TOP[module]}.{kind}"
     parts = module.split(".")  # model.layers.<i>.<rest>
-    return f"blk.{parts[2]}.{_LAYER['.'.join(parts[3:])]}.{kind}"
+    return f"blk.{parts[2]}.{_LAYER_BY_ARCH.get(arch, _LAYER)['.'.join(parts[3:])]}.{kind}"
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -167,8 +175,13 @@ def write_gguf(folder: Path, out: Path, type_of, root: Path) -> None:
     rope = cfg.get("rope_parameters") or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
-    w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(cfg["vocab_size"])
+    if arch == "gemma3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(cfg["sliding_window"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     tok = _smollm2_tokenizer_fields(root)
     tokens, types = list(tok["tokenizer.ggml.tokens"]), list(tok["tokenizer.ggml.token_type"])
@@ -190,12 +203,14 @@ def write_gguf(folder: Path, out: Path, type_of, root: Path) -> None:
     for hf, t in state.items():
         if hf == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
-        name = gguf_name(hf)
+        name = gguf_name(hf, arch)
         a = t.float().numpy()
         if arch == "llama" and ".q_proj." in hf:
             a = _permute(a, heads)
         elif arch == "llama" and ".k_proj." in hf:
             a = _permute(a, kv)
+        elif arch == "gemma3" and hf.endswith("norm.weight"):
+            a = a + 1  # llama.cpp multiplies by the stored weight; Gemma's norm by 1 + w
         kind = "F32" if a.ndim == 1 else type_of(name, a.shape)
         data = encode(a, kind)
         qtype = gguf.GGMLQuantizationType[kind]
@@ -306,8 +321,54 @@ def small_qwen2_kmix(root: Path | str) -> Path:
     return _cached_file(root, "small-qwen2-256.KMIX", small_qwen2(root), kmix)
 
 
+def small_hf(root: Path | str, arch: str) -> Path:
+    """A random-weight transformers model (Gemma3 text, Phi3) of the small
+    shape above: hidden 256, intermediate 512, 2 layers, 4 heads / 2 KV heads
+    of 64, SmolLM2's tokenizer; init std 0.08 (peaked distributions)."""
+    root = Path(root).resolve()
+
+    def build(out: Path) -> None:
+        import torch
+        import transformers
+
+        tok_src = models.smollm2(root)
+        for item in tok_src.iterdir():
+            if item.is_file() and (item.name.startswith("tokenizer") or item.name.endswith(".jinja")):
+                (out / item.name).write_bytes(item.read_bytes())
+        common = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      max_position_embeddings=2048, initializer_range=0.08, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=2)
+        if arch == "Gemma3":
+            cfg = transformers.Gemma3TextConfig(**common, sliding_window=16, query_pre_attn_scalar=64)
+            model_cls = transformers.Gemma3ForCausalLM
+        else:
+            cfg = getattr(transformers, f"{arch}Config")(**common)
+            model_cls = getattr(transformers, f"{arch}ForCausalLM")
+        torch.manual_seed(0)
+        model = model_cls(cfg).to(torch.float32)
+        with torch.no_grad():  # norms away from their init, so that a +-1 slip shows
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_(0.1 * torch.randn_like(p))
+        model.save_pretrained(out)
+
+    return models._cached(root, f"small-{arch.lower()}-256", {"arch": arch, "hidden": 256}, build)
+
+
+def small_gemma3_kmix(root: Path | str) -> Path:
+    root = Path(root).resolve()
+    return _cached_file(root, "small-gemma3-256.KMIX", small_hf(root, "Gemma3"), kmix)
+
+
+def small_phi3_kmix(root: Path | str) -> Path:
+    root = Path(root).resolve()
+    return _cached_file(root, "small-phi3-256.KMIX", small_hf(root, "Phi3"), kmix)
+
+
 FILES = {"smollm2-q4_1": smollm2_q4_1, "smollm2-kmix": smollm2_kmix, "qwen05-kmix": qwen05_kmix,
-         "small-qwen2-kmix": small_qwen2_kmix}
+         "small-qwen2-kmix": small_qwen2_kmix, "small-gemma3-kmix": small_gemma3_kmix,
+         "small-phi3-kmix": small_phi3_kmix}
 
 
 def main(argv: list[str] | None = None) -> int:

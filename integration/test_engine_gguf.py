@@ -8,11 +8,11 @@
   dequantization of it), with W4A16 (VLLM_CPU_INT4_W4A8=0) so that the only
   difference to transformers is fp32 summation order; the log has no
   per-weight dtype warning.
-- A K-quant file (Q4_K / Q5_K / Q6_K, Q4_K_M's mix, written by
-  integration/gguf_files.py) of a random-weight Qwen2 with hidden size 256,
-  through `LLM`: fp32 greedy tokens equal transformers' (which reads the same
-  file with the `gguf` package's dequantizers), and the derived folder lives in
-  the cache, not beside the file.
+- K-quant files (Q4_K / Q5_K / Q6_K, Q4_K_M's mix, written by
+  integration/gguf_files.py) of random-weight Qwen2, Gemma3 and Phi-3 models
+  with hidden size 256, through `LLM`: fp32 greedy tokens equal transformers'
+  (which reads the same file with the `gguf` package's dequantizers), and the
+  derived folder lives in the cache, not beside the file.
 - The defaults (bf16 activations, W4A8) on the Q4_1 file keep the fp32
   answer; the weights stay in their blocks: every byte of weights the model
   holds (what the worker moves onto huge pages) is within 1.3x the file's
@@ -80,7 +80,11 @@ def test_vllm_serve_gguf_file_fp32_equals_transformers(q4_1, smollm2, smollm2_to
     assert "Attempted to load weight" not in log
 
 
-def test_k_quant_file_fp32_equals_transformers(model_root, gguf_cache, monkeypatch):
+@pytest.mark.parametrize("make", [gguf_files.small_qwen2_kmix, gguf_files.small_gemma3_kmix,
+                                  gguf_files.small_phi3_kmix], ids=["qwen2", "gemma3", "phi3"])
+def test_k_quant_file_fp32_equals_transformers(make, model_root, gguf_cache, monkeypatch):
+    import json
+
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -89,10 +93,12 @@ def test_k_quant_file_fp32_equals_transformers(model_root, gguf_cache, monkeypat
     from cpu_backend.quantization import register
 
     register()  # what the vllm.general_plugins entry point does when installed
-    path = gguf_files.small_qwen2_kmix(model_root)
+    path = make(model_root)
     types = set(GGUFCheckpoint(path).tensor_types.values())
-    assert {"Q4_K", "Q5_K", "Q6_K"} <= types, types
+    assert {"Q4_K", "Q6_K"} <= types, types
     folder = prepare(path)
+    arch = json.loads((Path(folder) / "config.json").read_text())["architectures"]
+    assert arch[0].endswith("ForCausalLM"), arch
     assert Path(folder).parent == gguf_cache and not any(
         p.name.endswith(".json") for p in path.parent.iterdir())
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

@@ -1,24 +1,30 @@
 """A GGUF file as the host's model classes want it: Hugging Face tensor names.
 
-`GGUFCheckpoint` opens the file with the `gguf` package's reader (a memory
-map: nothing is read until a tensor is used), checks it before an engine
-starts (GGUFFileError: damaged or truncated file, architecture we cannot map,
-block type we do not run) and yields `(hf_name, tensor)` pairs for the host's
-`model.load_weights`:
+`GGUFCheckpoint` reads the file's header (`read_header`: its scalar
+metadata and tensor table; the `gguf` package's reader also builds an array
+per tokenizer string, seconds for a 150k-token vocabulary, in every process
+that opens the file), checks it before an engine starts (GGUFFileError:
+damaged or truncated file, architecture we cannot map, block type we do not
+run) and yields `(hf_name, tensor)` pairs for the host's `model.load_weights`,
+views of a copy-on-write memory map (nothing is read until a tensor is used):
 - quantized tensors as their raw blocks, uint8 [rows, blocks, block_bytes]
   (the block size names the type; cpu_backend.gguf.blocks), rows untouched;
 - float tensors (norms, biases, F16/BF16/F32 matrices) as float tensors.
 
 What llama.cpp's converter changed is undone exactly as transformers' GGUF
-loader undoes it: Llama/Mistral q and k rows were permuted for its rotary
-layout (a permutation of whole rows, so of whole blocks: exact on quantized
-data too), and Gemma norms were stored as 1 + w.
+loader undoes it: the q and k rows of "llama" files were permuted for its
+rotary layout (a permutation of whole rows, so of whole blocks: exact on
+quantized data too), and Gemma norms were stored as 1 + w.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import re
+import struct
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterator
 
@@ -68,18 +74,110 @@ ARCHITECTURES = {
     "gemma3": _GEMMA_LAYER,
     "phi3": _PHI3_LAYER,
 }
-_PERMUTED_QK = ("llama", "mistral")
+_PERMUTED_QK = ("llama",)  # as transformers undoes it (LlamaTensorProcessor)
 _NORMS_PLUS_ONE = ("gemma2", "gemma3")
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 _TOP_NAME = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type_id: int
+    shape: tuple[int, ...]  # as torch sees it: the fastest dimension last
+    offset: int  # from the start of the file
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        from gguf import GGMLQuantizationType
+
+        try:
+            return GGMLQuantizationType(self.type_id).name
+        except ValueError:
+            return f"type {self.type_id}"
+
+
+# GGUF value types (gguf.GGUFValueType) -> struct format of a scalar
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+           11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def take(self, fmt: str):
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError("string runs past the end of the file")
+        self.pos += n
+        return self.buf[self.pos - n:self.pos].decode("utf-8", errors="replace")
+
+    def value(self, vtype: int, keep: bool):
+        """A value of `vtype`; arrays are skipped (None) unless `keep`."""
+        if vtype in _SCALAR:
+            return self.take(_SCALAR[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype != _ARRAY:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        etype, count = self.take("<I"), self.take("<Q")
+        if etype in _SCALAR and not keep:
+            self.pos += count * struct.calcsize(_SCALAR[etype])
+            return None
+        items = [self.value(etype, keep) for _ in range(count)]
+        return items if keep else None
+
+
+def read_header(path: str) -> tuple[dict, list[TensorInfo]]:
+    """(scalar metadata, tensor table) of a GGUF file (format versions 2 and 3).
+    Array values (the tokenizer's) are skipped. Raises ValueError/struct.error
+    on a damaged or truncated header."""
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        cur = _Cursor(buf)  # the mmap itself: slices are copies, so it always closes
+        if buf[:4] != b"GGUF":
+            raise ValueError("no GGUF magic")
+        cur.pos = 4
+        version = cur.take("<I")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version}")
+        n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
+        fields = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            value = cur.value(cur.take("<I"), keep=False)
+            if value is not None:
+                fields[key] = value
+        raw = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            dims = [cur.take("<Q") for _ in range(cur.take("<I"))]
+            raw.append((name, dims, cur.take("<I"), cur.take("<Q")))
+        align = int(fields.get("general.alignment", 32))
+        start = -(-cur.pos // align) * align
+    finally:
+        buf.close()
+    tensors = []
+    for name, dims, type_id, offset in raw:
+        count = math.prod(dims)
+        if type_id in blocks.QUANTIZED:
+            bt = blocks.QUANTIZED[type_id]
+            nbytes = count // bt.block_elems * bt.block_bytes
+        elif type_id in blocks.FLOAT:
+            nbytes = count * blocks.FLOAT[type_id][1].itemsize
+        else:
+            nbytes = 0  # a type we do not run: GGUFCheckpoint names it
+        tensors.append(TensorInfo(name, type_id, tuple(reversed(dims)), start + offset, nbytes))
+    return fields, tensors
 
 
 class GGUFCheckpoint:
@@ -89,35 +187,31 @@ class GGUFCheckpoint:
         self.path = os.path.abspath(os.fspath(path))
         if not os.path.isfile(self.path):
             raise GGUFFileError(f"{self.path}: no such GGUF file")
-        from gguf import GGUFReader
-
+        size = os.path.getsize(self.path)
         try:
-            self.reader = GGUFReader(self.path, "c")  # copy-on-write: writable arrays, file untouched
-        except (ValueError, IndexError, OSError, KeyError) as e:
-            size = os.path.getsize(self.path)
+            self.fields, self.tensors = read_header(self.path)
+        except (ValueError, struct.error, OSError) as e:
             raise GGUFFileError(f"{self.path} ({size} bytes) is not a readable GGUF file: it is "
                                 f"truncated or damaged ({type(e).__name__}: {e})") from None
-        self.architecture = str(_field(self.reader, "general.architecture", ""))
+        self.architecture = str(self.fields.get("general.architecture", ""))
         if self.architecture not in ARCHITECTURES:
             raise GGUFFileError(
                 f"{self.path}: GGUF architecture {self.architecture!r} is not supported by "
                 f"cpu_backend (supported: {', '.join(sorted(ARCHITECTURES))})")
-        self._check_tensors()
+        self._check_tensors(size)
 
     def metadata(self, key: str, default=None):
-        return _field(self.reader, f"{self.architecture}.{key}", default)
+        return self.fields.get(f"{self.architecture}.{key}", default)
 
-    def _check_tensors(self) -> None:
-        size = os.path.getsize(self.path)
-        for t in self.reader.tensors:
-            tid = int(t.tensor_type)
-            if tid not in blocks.QUANTIZED and tid not in blocks.FLOAT:
+    def _check_tensors(self, size: int) -> None:
+        for t in self.tensors:
+            if t.type_id not in blocks.QUANTIZED and t.type_id not in blocks.FLOAT:
                 raise GGUFFileError(
-                    f"{self.path}: tensor {t.name} has block type {t.tensor_type.name}, which "
+                    f"{self.path}: tensor {t.name} has block type {t.type_name}, which "
                     f"cpu_backend does not run (supported: {', '.join(blocks.supported_type_names())})")
-            if t.data_offset + t.n_bytes > size:
+            if t.offset + t.nbytes > size:
                 raise GGUFFileError(f"{self.path}: truncated: tensor {t.name} ends at byte "
-                                    f"{t.data_offset + t.n_bytes}, the file has {size}")
+                                    f"{t.offset + t.nbytes}, the file has {size}")
             self.hf_name(t.name)  # every tensor must map
 
     def hf_name(self, gguf_name: str) -> str | None:
@@ -138,25 +232,24 @@ class GGUFCheckpoint:
     def tensor_types(self) -> dict[str, str]:
         """hf_name -> block type name ("Q4_K", "F32", ...) of every loaded tensor."""
         out = {}
-        for t in self.reader.tensors:
+        for t in self.tensors:
             name = self.hf_name(t.name)
             if name is not None:
-                out[name] = t.tensor_type.name
+                out[name] = t.type_name
         return out
 
-    def _tensor(self, t) -> torch.Tensor:
-        tid = int(t.tensor_type)
-        shape = [int(x) for x in reversed(t.shape)]  # GGUF lists the fastest dimension first
-        data = np.asarray(t.data)
-        if tid in blocks.QUANTIZED:
-            bt = blocks.QUANTIZED[tid]
-            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-            return torch.from_numpy(data).reshape(rows, shape[-1] // bt.block_elems, bt.block_bytes)
-        _, dtype = blocks.FLOAT[tid]
-        out = torch.from_numpy(data)
-        if out.dtype != dtype:  # BF16 comes as bytes
-            out = out.view(dtype)
-        return out.reshape(shape)
+    @cached_property
+    def _data(self) -> torch.Tensor:
+        """The whole file as uint8, copy-on-write (the file is never written)."""
+        return torch.from_numpy(np.memmap(self.path, dtype=np.uint8, mode="c"))
+
+    def _tensor(self, t: TensorInfo) -> torch.Tensor:
+        data = self._data[t.offset:t.offset + t.nbytes]
+        if t.type_id in blocks.QUANTIZED:
+            bt = blocks.QUANTIZED[t.type_id]
+            rows = math.prod(t.shape[:-1])
+            return data.reshape(rows, t.shape[-1] // bt.block_elems, bt.block_bytes)
+        return data.view(blocks.FLOAT[t.type_id][1]).reshape(t.shape)
 
     def _undo_converter(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.architecture in _PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
@@ -173,7 +266,7 @@ class GGUFCheckpoint:
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) for every tensor the model loads, in file order."""
-        for t in self.reader.tensors:
+        for t in self.tensors:
             name = self.hf_name(t.name)
             if name is not None:
                 yield name, self._undo_converter(name, self._tensor(t))

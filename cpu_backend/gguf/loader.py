@@ -12,6 +12,8 @@ converted on disk.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from vllm.config import ModelConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -32,7 +34,9 @@ def gguf_file_of(model_config: ModelConfig) -> str:
 
 class GGUFModelLoader(BaseModelLoader):
     def download_model(self, model_config: ModelConfig) -> None:
-        GGUFCheckpoint(gguf_file_of(model_config))  # local only: check it is still readable
+        path = gguf_file_of(model_config)  # local only: nothing to download
+        if not os.path.isfile(path):
+            raise GGUFFileError(f"{path}: the GGUF file of {model_config.model} is gone")
 
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
         ckpt = GGUFCheckpoint(gguf_file_of(model_config))

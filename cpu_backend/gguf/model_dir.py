@@ -24,23 +24,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from cpu_backend import envs
+
 QUANT_METHOD = "cpu_backend_gguf"
-CACHE_ENV = "VLLM_CPU_BACKEND_GGUF_CACHE"
-_RECIPE = 1  # bump when what is written changes
+_RECIPE = 2  # bump when what is written changes
 _MARKER = ".cpu_backend_gguf.json"
 
 
 def is_gguf_file(model: object) -> bool:
     return isinstance(model, (str, os.PathLike)) and os.fspath(model).endswith(".gguf") \
         and os.path.isfile(model)
-
-
-def cache_root() -> Path:
-    env = os.environ.get(CACHE_ENV, "").strip()
-    if env:
-        return Path(env).expanduser().resolve()
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(Path.home(), ".cache")
-    return Path(base) / "vllm-cpu-backend" / "gguf"
 
 
 def _source_key(path: str) -> dict:
@@ -58,7 +51,7 @@ def prepare(gguf_file: str | os.PathLike) -> str:
         raise GGUFFileError(f"{path}: no such GGUF file")
     key = _source_key(path)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    root = cache_root()
+    root = Path(envs.gguf_cache_dir())
     dest = root / f"{Path(path).stem}-{digest}"
     if _complete(dest, key):
         return str(dest)
@@ -106,6 +99,10 @@ def _derive(path: str, out: Path) -> None:
     except (ValueError, KeyError, OSError) as e:
         raise GGUFFileError(f"{path}: transformers cannot derive the config or tokenizer of "
                             f"this {ckpt.architecture} GGUF file ({e})") from None
+    if not config.architectures:  # transformers' GGUF config names none; the causal LM class
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.quantization_config = {
         "quant_method": QUANT_METHOD,
         "gguf_file": path,
@@ -118,9 +115,9 @@ def _derive(path: str, out: Path) -> None:
         config.tie_word_embeddings = True
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    add_bos = ckpt.reader.fields.get("tokenizer.ggml.add_bos_token")
+    add_bos = ckpt.fields.get("tokenizer.ggml.add_bos_token")
     if add_bos is not None:
-        _patch_json(out / "tokenizer_config.json", add_bos_token=bool(add_bos.contents()))
+        _patch_json(out / "tokenizer_config.json", add_bos_token=bool(add_bos))
     GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
                      pad_token_id=getattr(config, "pad_token_id", None)).save_pretrained(out)
 

@@ -36,6 +36,7 @@ from cpu_backend.gguf.model_dir import QUANT_METHOD
 from cpu_backend.quantization import formats
 
 _FLOAT_TYPES = {name for name, _ in blocks.FLOAT.values()}
+_FLOAT_NAMES = {dtype: name for name, dtype in blocks.FLOAT.values()}
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 
 
@@ -185,9 +186,14 @@ class GGUFLinearMethod(LinearMethodBase):
         k = layer.cpu_backend_gguf_k
         if tensor.dtype == torch.uint8:
             bt = blocks.block_type_of(tensor)
-            got_k = tensor.shape[1] * bt.block_elems
+            got_k, got_type = tensor.shape[1] * bt.block_elems, bt.name
         else:
-            got_k = tensor.shape[-1]
+            got_k, got_type = tensor.shape[-1], _FLOAT_NAMES[tensor.dtype]
+        want_type = self.shard_types[index or 0]
+        if got_type != want_type and not (got_type in _FLOAT_TYPES and want_type in _FLOAT_TYPES):
+            raise GGUFFileError(f"{self._where(layer)}: the GGUF file holds {got_type} where its "
+                                f"config says {want_type} (the file changed? delete the folder "
+                                "derived from it)")
         pad = rows - tensor.shape[0]
         if got_k != k or pad < 0 or (pad and not self._pads_rows()):
             raise GGUFFileError(
