@@ -27,8 +27,11 @@
 // task dequantizes its panel once and runs DenseKernel. With int8_act (W4A8,
 // 4-bit weights, groups of multiples of 32) x is quantized to int8 per 32
 // inputs instead and Q4A8Kernel multiplies in integers (vec/vec_u4s8.h), at
-// any number of rows. Same work split as linear.cpp (panels x row blocks with
-// at::parallel_for).
+// any number of rows. bits=6 is the 8-bit layout holding values below 64
+// (GGUF's 5- and 6-bit block types; the symmetric zero is 32): the float
+// paths treat it as 8-bit, and with int8_act (groups of 16 or multiples of
+// 32) Q6A8Kernel multiplies it in integers (vec/vec_u6s8.h). Same work split
+// as linear.cpp (panels x row blocks with at::parallel_for).
 // Registered here with TORCH_LIBRARY_FRAGMENT so registration.cpp stays
 // untouched.
 #include <ATen/Parallel.h>
@@ -54,6 +57,7 @@
 #include "vec/vec.h"
 #include "vec/vec_quant.h"
 #include "vec/vec_u4s8.h"
+#include "vec/vec_u6s8.h"
 
 namespace cpu_backend {
 namespace {
@@ -120,7 +124,8 @@ static CB_ALWAYS_INLINE void add_group(Vec (&acc)[MR], const Vec (&sets)[S][MR],
 // sum_k a[k] * q[k] (integer weights, exact in fp32; a carries the field
 // scale), then acc += gacc * scale + asum * zs with asum[g][m] the group's
 // sum of x: scale and zero cost two FMAs per group instead of one per k.
-template <int BITS>
+// ZB: the field width whose half is the symmetric zero (6 for bits=6 in 8-bit fields).
+template <int BITS, int ZB = BITS>
 struct QuantKernel {
   using AT = float;  // one fp32 x value per input
   static constexpr int kInputsPerA = 1;
@@ -154,7 +159,7 @@ struct QuantKernel {
         block<MR, KU>(q, a, gacc, std::make_index_sequence<KW>{});
       }
       const Vec sv = Vec::load(s + g * kNR);
-      add_group(acc, gacc, sv, zero_term<BITS>(zs, sv, g), asum + g * MR);
+      add_group(acc, gacc, sv, zero_term<ZB>(zs, sv, g), asum + g * MR);
     }
     CB_UNROLL for (int m = 0; m < MR; ++m) acc[m].store(c + m * kNR);
   }
@@ -254,11 +259,42 @@ struct Q4A8Kernel {
   }
 };
 
-template <size_t... I>
+// bits=6 with int8_act: 8-bit fields below 64 times x quantized to int8 per
+// 32 inputs, the products exact per NB blocks (vec_u6s8.h; NB = 4, 16
+// inputs, for groups of 16, else 8): acc += isum * (scale * sx) per NB
+// blocks, then asum * zs per group (zs, or -32 * scale when symmetric).
+template <int NB>
+struct Q6A8Kernel {
+  template <int MR>
+  static void run(const int32_t* __restrict a, const float* __restrict sx, const float* __restrict asum,
+                  const uint8_t* __restrict q, const float* __restrict s, const float* __restrict zs, int64_t G,
+                  int64_t group_steps, float* __restrict c) {
+    constexpr int64_t kStepBytes = NB * kBlockBytes;
+    constexpr int64_t kStepInputs = 4 * NB;
+    Vec acc[MR];
+    CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = Vec::zero();
+    int64_t k = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const Vec sv = Vec::load(s + g * kNR);
+      for (int64_t t = 0; t < group_steps; ++t, q += kStepBytes, a += NB * MR, k += kStepInputs) {
+        prefetch_panel<kStepBytes>(q);
+        Vec isum[MR];
+        u6s8_sum<MR, NB>(q, a, isum);
+        const float* su = sx + (k / kU4S8Inputs) * MR;
+        CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = fma(isum[m], sv * Vec::broadcast(su[m]), acc[m]);
+      }
+      const Vec zv = zero_term<6>(zs, sv, g);
+      CB_UNROLL for (int m = 0; m < MR; ++m) acc[m] = fma(Vec::broadcast(asum[g * MR + m]), zv, acc[m]);
+    }
+    CB_UNROLL for (int m = 0; m < MR; ++m) acc[m].store(c + m * kNR);
+  }
+};
+
+template <typename Kern, size_t... I>
 constexpr auto make_a8_table(std::index_sequence<I...>) {
   using Fn = void (*)(const int32_t*, const float*, const float*, const uint8_t*, const float*, const float*,
                       int64_t, int64_t, float*);
-  return std::array<Fn, sizeof...(I)>{&Q4A8Kernel::template run<int(I) + 1>...};
+  return std::array<Fn, sizeof...(I)>{&Kern::template run<int(I) + 1>...};
 }
 
 // The kernel's view of the input dimension: G groups of gs inputs, each
@@ -347,66 +383,66 @@ void pack_rows_q4_pairs(const bf16_t* x, int64_t ldx, int64_t M, const KLayout& 
 }
 #endif
 
-// x rows -> int8 chunks of kMRA8 rows for Q4A8Kernel: per 32 inputs (through
-// perm when given) sx = max|x| / 127 (1 for all zeros) and q = round(x / sx)
-// (fp32, half to even), stored per block of 8 inputs and row as the words of
-// inputs (0, 2, 4, 6) and (1, 3, 5, 7): a [K / 8][mr][2], sx [K / 32][mr];
-// asum [G][mr] = the group's sum of sx * q.
-template <typename XT>
+// x rows -> int8 chunks of kMRA8 rows for Q4A8Kernel / Q6A8Kernel: per 32
+// inputs (through perm when given) sx = max|x| / 127 (1 for all zeros) and
+// q = round(x / sx) (fp32, half to even), stored per block of 8 inputs and row
+// as two words: inputs (0, 2, 4, 6) and (1, 3, 5, 7) for 4-bit fields
+// (kPairs), (0..3) and (4..7) for 8-bit ones: a [K / 8][mr][2], sx
+// [K / 32][mr]; asum [G][mr] = the group's sum of sx * q (groups of 16 or
+// multiples of 32).
+template <bool kPairs, typename XT>
 void pack_rows_a8(const XT* x, int64_t ldx, int64_t M, const KLayout& l, const int64_t* perm, int32_t* ap,
                   float* sx, float* asum) {
   const int64_t K = l.G * l.gs, U = K / kU4S8Inputs;
+  const int step = int(std::min<int64_t>(l.gs, kU4S8Inputs));  // inputs of one group in a unit
   for_chunk_rows(M, kMRA8, K, [&](int64_t c, int64_t r, int m, int mr) {
     const XT* src = x + r * ldx;
     int32_t* a = ap + c * kMRA8 * (K / 4);
     float* cs = sx + c * kMRA8 * U;
     float* ca = asum + c * kMRA8 * l.G;
-    for (int64_t g = 0; g < l.G; ++g) {
-      float t = 0.0f;
-      for (int64_t u = g * l.gs / kU4S8Inputs; u < (g + 1) * l.gs / kU4S8Inputs; ++u) {
-        const int64_t k0 = u * kU4S8Inputs;
-        Vec v0, v1;
-        if (perm) {
-          alignas(64) float v[kU4S8Inputs];
-          for (int j = 0; j < kU4S8Inputs; ++j) v[j] = to_f32(src[perm[k0 + j]]);
-          v0 = Vec::load(v);
-          v1 = Vec::load(v + 16);
-        } else {
-          v0 = Vec::load(src + k0);
-          v1 = Vec::load(src + k0 + 16);
-        }
-        const float scale = int8_sym_scale(max(v0.abs(), v1.abs()).reduce_max());
-        const Vec sv = Vec::broadcast(scale);
-        alignas(64) float qf[kU4S8Inputs];
-        quantize_sym(v0, sv).store(qf);
-        quantize_sym(v1, sv).store(qf + 16);
-        int8_t qv[kU4S8Inputs];
-        int32_t qsum = 0;
-        for (int j = 0; j < kU4S8Inputs; ++j) {
-          qv[j] = int8_t(int32_t(qf[j]));
-          qsum += qv[j];
-        }
-        for (int b = 0; b < kU4S8Blocks; ++b) {
-          int8_t ev[4], od[4];
-          for (int j = 0; j < 4; ++j) {
-            ev[j] = qv[8 * b + 2 * j];
-            od[j] = qv[8 * b + 2 * j + 1];
-          }
-          int32_t* d = a + ((u * kU4S8Blocks + b) * mr + m) * 2;
-          std::memcpy(d, ev, 4);
-          std::memcpy(d + 1, od, 4);
-        }
-        cs[u * mr + m] = scale;
-        t += scale * float(qsum);
+    for (int64_t g = 0; g < l.G; ++g) ca[g * mr + m] = 0.0f;
+    for (int64_t u = 0; u < U; ++u) {
+      const int64_t k0 = u * kU4S8Inputs;
+      Vec v0, v1;
+      if (perm) {
+        alignas(64) float v[kU4S8Inputs];
+        for (int j = 0; j < kU4S8Inputs; ++j) v[j] = to_f32(src[perm[k0 + j]]);
+        v0 = Vec::load(v);
+        v1 = Vec::load(v + 16);
+      } else {
+        v0 = Vec::load(src + k0);
+        v1 = Vec::load(src + k0 + 16);
       }
-      ca[g * mr + m] = t;
+      const float scale = int8_sym_scale(max(v0.abs(), v1.abs()).reduce_max());
+      const Vec sv = Vec::broadcast(scale);
+      alignas(64) float qf[kU4S8Inputs];
+      quantize_sym(v0, sv).store(qf);
+      quantize_sym(v1, sv).store(qf + 16);
+      int8_t qv[kU4S8Inputs];
+      for (int j = 0; j < kU4S8Inputs; ++j) qv[j] = int8_t(int32_t(qf[j]));
+      for (int j0 = 0; j0 < kU4S8Inputs; j0 += step) {
+        int32_t qsum = 0;
+        for (int j = j0; j < j0 + step; ++j) qsum += qv[j];
+        ca[((k0 + j0) / l.gs) * mr + m] += scale * float(qsum);
+      }
+      for (int b = 0; b < kU4S8Blocks; ++b) {
+        int8_t ev[4], od[4];
+        for (int j = 0; j < 4; ++j) {
+          ev[j] = qv[8 * b + (kPairs ? 2 * j : j)];
+          od[j] = qv[8 * b + (kPairs ? 2 * j + 1 : j + 4)];
+        }
+        int32_t* d = a + ((u * kU4S8Blocks + b) * mr + m) * 2;
+        std::memcpy(d, ev, 4);
+        std::memcpy(d + 1, od, 4);
+      }
+      cs[u * mr + m] = scale;
     }
   });
 }
 
 // Panel [B][64] -> fp32 [G * gsp][16] with w = q * scale + zs (group
 // padding rows get zs; the packed x is zero there).
-template <int BITS>
+template <int BITS, int ZB = BITS>
 struct Dequant {
   template <size_t... I>
   static CB_ALWAYS_INLINE void block(const uint8_t* q, Vec sv, Vec zv, float* w, std::index_sequence<I...>) {
@@ -415,7 +451,7 @@ struct Dequant {
   static void panel(const uint8_t* q, const float* s, const float* zs, int64_t G, int64_t group_blocks, float* w) {
     constexpr int KW = 32 / BITS;
     for (int64_t g = 0; g < G; ++g) {
-      const Vec sv = Vec::load(s + g * kNR), zv = zero_term<BITS>(zs, sv, g);
+      const Vec sv = Vec::load(s + g * kNR), zv = zero_term<ZB>(zs, sv, g);
       for (int64_t b = 0; b < group_blocks; ++b, q += kBlockBytes, w += KW * kNR) {
         block(q, sv, zv, w, std::make_index_sequence<KW>{});
       }
@@ -465,7 +501,7 @@ void for_tiles(int64_t M, int64_t N, int64_t work, const float* bias, OT* out, T
 }
 
 // Dense path: each task dequantizes its panel once, then DenseKernel per chunk.
-template <int BITS, typename OT>
+template <int BITS, int ZB, typename OT>
 void run_dense(const float* ap, const uint8_t* qw, const float* sc, const float* zs, const float* bias, OT* out,
                int64_t M, int64_t N, const KLayout& l) {
   static constexpr auto kernels = make_dense_table(std::make_index_sequence<kMRD>{});
@@ -473,7 +509,7 @@ void run_dense(const float* ap, const uint8_t* qw, const float* sc, const float*
   for_tiles<kMRD>(M, N, M * N * Kp, bias, out, [&](int64_t p) {
     thread_local std::vector<float> wbuf;
     if (wbuf.size() < size_t(Kp * kNR)) wbuf.resize(Kp * kNR);
-    Dequant<BITS>::panel(qw + p * l.G * group_blocks * kBlockBytes, panel_groups(sc, p, l.G),
+    Dequant<BITS, ZB>::panel(qw + p * l.G * group_blocks * kBlockBytes, panel_groups(sc, p, l.G),
                          panel_groups(zs, p, l.G), l.G, group_blocks, wbuf.data());
     const float* w = wbuf.data();
     return [=](int64_t c, int mr, float* tile) { kernels[mr - 1](ap + c * kMRD * Kp, w, Kp, tile); };
@@ -498,13 +534,14 @@ void run(const typename Kern::AT* ap, const float* asum, const uint8_t* qw, cons
   });
 }
 
-// W4A8 path: Q4A8Kernel on the packed panel.
-template <typename OT>
+// int8_act path: Kern (Q4A8Kernel, Q6A8Kernel) on the packed panel, group_steps
+// kernel steps per group.
+template <typename Kern, typename OT>
 void run_a8(const int32_t* ap, const float* sx, const float* asum, const uint8_t* qw, const float* sc,
-            const float* zs, const float* bias, OT* out, int64_t M, int64_t N, const KLayout& l) {
-  static constexpr auto kernels = make_a8_table(std::make_index_sequence<kMRA8>{});
+            const float* zs, const float* bias, OT* out, int64_t M, int64_t N, const KLayout& l,
+            int64_t group_steps) {
+  static constexpr auto kernels = make_a8_table<Kern>(std::make_index_sequence<kMRA8>{});
   const int64_t K = l.G * l.gs, group_blocks = l.gsp / l.kw, U = K / kU4S8Inputs;
-  const int64_t group_units = l.gs / kU4S8Inputs;
   for_tiles<kMRA8>(M, N, M * N * K / 4, bias, out, [&](int64_t p) {
     const uint8_t* panel = qw + p * l.G * group_blocks * kBlockBytes;
     const float* ps = panel_groups(sc, p, l.G);
@@ -512,7 +549,7 @@ void run_a8(const int32_t* ap, const float* sx, const float* asum, const uint8_t
     const int64_t G = l.G;
     return [=](int64_t c, int mr, float* tile) {
       kernels[mr - 1](ap + c * kMRA8 * (K / 4), sx + c * kMRA8 * U, asum + c * kMRA8 * G, panel, ps, pz, G,
-                      group_units, tile);
+                      group_steps, tile);
     };
   });
 }
@@ -527,7 +564,7 @@ at::Tensor wna16_linear_into(const at::Tensor& x, const at::Tensor& qweight, con
                              const std::optional<at::Tensor>& perm, const std::optional<at::Tensor>& bias,
                              std::optional<at::ScalarType> out_dtype, bool int8_act, const at::Tensor* into) {
   const char* op = into != nullptr ? "cpu_backend::wna16_linear_out" : "cpu_backend::wna16_linear";
-  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, op, ": bits must be 4, 6 or 8, got ", bits);
   TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.size(2) == kBlockBytes &&
                   qweight.is_contiguous(),
               op, ": qweight must be contiguous uint8 [ceil(N/16), blocks, 64], got ", qweight.sizes(), " ",
@@ -551,9 +588,11 @@ at::Tensor wna16_linear_into(const at::Tensor& x, const at::Tensor& qweight, con
                               : make_layout<8>(G, group_size, std::make_index_sequence<4>{});
   TORCH_CHECK(qweight.size(1) * l.kw == G * l.gsp, op, ": qweight has ", qweight.size(1), " blocks, ", G,
               " groups of ", group_size, " need ", G * l.gsp / l.kw);
-  TORCH_CHECK(!int8_act || (bits == 4 && group_size % kU4S8Inputs == 0), op,
-              ": int8_act needs 4-bit weights and a group size that is a multiple of ", kU4S8Inputs, ", got bits=",
-              bits, " group_size=", group_size);
+  TORCH_CHECK(!int8_act || (bits == 4 && group_size % kU4S8Inputs == 0) ||
+                  (bits == 6 && (group_size == 16 || group_size % kU4S8Inputs == 0) && K % kU4S8Inputs == 0),
+              op, ": int8_act needs 4-bit weights in groups of a multiple of ", kU4S8Inputs,
+              ", or 6-bit ones in groups of 16 or a multiple of ", kU4S8Inputs, " (K a multiple of ",
+              kU4S8Inputs, "), got bits=", bits, " group_size=", group_size, " K=", K);
   const int64_t* perm_ptr = nullptr;
   at::Tensor perm_c;
   if (perm.has_value() && perm->defined()) {
@@ -587,11 +626,20 @@ at::Tensor wna16_linear_into(const at::Tensor& x, const at::Tensor& qweight, con
     float* asum = sx + n_sx;
     dispatch_float(x2.scalar_type(), "x", [&](auto tag) {
       using XT = typename decltype(tag)::type;
-      pack_rows_a8(static_cast<const XT*>(x2.const_data_ptr()), ldx, M, l, perm_ptr, ap, sx, asum);
+      const XT* xp = static_cast<const XT*>(x2.const_data_ptr());
+      bits == 4 ? pack_rows_a8<true>(xp, ldx, M, l, perm_ptr, ap, sx, asum)
+                : pack_rows_a8<false>(xp, ldx, M, l, perm_ptr, ap, sx, asum);
     });
     dispatch_float(out.scalar_type(), "x", [&](auto otag) {
       using OT = typename decltype(otag)::type;
-      run_a8(ap, sx, asum, qw, sc, zp, bias_ptr, static_cast<OT*>(out.mutable_data_ptr()), M, n, l);
+      OT* o = static_cast<OT*>(out.mutable_data_ptr());
+      if (bits == 4) {
+        run_a8<Q4A8Kernel>(ap, sx, asum, qw, sc, zp, bias_ptr, o, M, n, l, group_size / kU4S8Inputs);
+      } else if (group_size == 16) {
+        run_a8<Q6A8Kernel<4>>(ap, sx, asum, qw, sc, zp, bias_ptr, o, M, n, l, 1);
+      } else {
+        run_a8<Q6A8Kernel<8>>(ap, sx, asum, qw, sc, zp, bias_ptr, o, M, n, l, group_size / kU4S8Inputs);
+      }
     });
     return out;
   }
@@ -626,13 +674,21 @@ at::Tensor wna16_linear_into(const at::Tensor& x, const at::Tensor& qweight, con
     using OT = typename decltype(otag)::type;
     OT* o = static_cast<OT*>(out.mutable_data_ptr());
     if (dense) {
-      bits == 4 ? run_dense<4>(ap, qw, sc, zp, bias_ptr, o, M, n, l) : run_dense<8>(ap, qw, sc, zp, bias_ptr, o, M, n, l);
+      if (bits == 4) {
+        run_dense<4, 4>(ap, qw, sc, zp, bias_ptr, o, M, n, l);
+      } else if (bits == 6) {
+        run_dense<8, 6>(ap, qw, sc, zp, bias_ptr, o, M, n, l);
+      } else {
+        run_dense<8, 8>(ap, qw, sc, zp, bias_ptr, o, M, n, l);
+      }
     } else if (q4_pairs) {
 #if defined(CPU_BACKEND_HAS_DPBF16)
       run<Q4PairKernel>(reinterpret_cast<const uint32_t*>(ap), asum, qw, sc, zp, bias_ptr, o, M, n, l);
 #endif
     } else if (bits == 4) {
       run<QuantKernel<4>>(ap, asum, qw, sc, zp, bias_ptr, o, M, n, l);
+    } else if (bits == 6) {
+      run<QuantKernel<8, 6>>(ap, asum, qw, sc, zp, bias_ptr, o, M, n, l);
     } else {
       run<QuantKernel<8>>(ap, asum, qw, sc, zp, bias_ptr, o, M, n, l);
     }

@@ -273,6 +273,12 @@ def qwen05_kmix(root: Path | str) -> Path:
     return _cached_file(root, "qwen25-05b-shape.KMIX", models.qwen25_05b_shape(root), kmix)
 
 
+def _copy_smollm2_tokenizer(root: Path, out: Path) -> None:
+    for item in models.smollm2(root).iterdir():
+        if item.is_file() and (item.name.startswith("tokenizer") or item.name.endswith(".jinja")):
+            (out / item.name).write_bytes(item.read_bytes())
+
+
 def small_qwen2(root: Path | str) -> Path:
     """Random-weight Qwen2 whose rows divide into K-quant super-blocks: hidden
     256, intermediate 512, 2 layers, 4 heads / 2 KV heads (head_dim 64), q/k/v
@@ -285,10 +291,7 @@ def small_qwen2(root: Path | str) -> Path:
         from safetensors.torch import save_file
         from transformers import Qwen2Config
 
-        tok_src = models.smollm2(root)
-        for item in tok_src.iterdir():
-            if item.is_file() and (item.name.startswith("tokenizer") or item.name.endswith(".jinja")):
-                (out / item.name).write_bytes(item.read_bytes())
+        _copy_smollm2_tokenizer(root, out)
         cfg = Qwen2Config(
             vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
@@ -331,10 +334,7 @@ def small_hf(root: Path | str, arch: str) -> Path:
         import torch
         import transformers
 
-        tok_src = models.smollm2(root)
-        for item in tok_src.iterdir():
-            if item.is_file() and (item.name.startswith("tokenizer") or item.name.endswith(".jinja")):
-                (out / item.name).write_bytes(item.read_bytes())
+        _copy_smollm2_tokenizer(root, out)
         common = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                       max_position_embeddings=2048, initializer_range=0.08, bos_token_id=1,

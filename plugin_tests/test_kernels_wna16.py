@@ -14,6 +14,11 @@ x fp32/bf16/fp16, with and without bias; AWQ 4-bit through the same path (bf16 x
 float32 output, what the LM head asks for; on the odd-K cases too; row-strided and transposed x); odd K
 (37, 39, 66 in groups of 33, 6 in groups of 2) against the integer view directly.
 
+bits=6 (values below 64 in 8-bit fields, GGUF's 5- and 6-bit types): groups of
+16, 32, 64, symmetric (zero 32, no zs) and with float min terms, M = 1, 3, 17,
+fp32/bf16 x, with fp32 and with int8 activations (the latter against the same
+int8 reference as W4A8).
+
 Symmetric weights packed without zs (kernel_layout(drop_symmetric_zs=True):
 the kernel derives -2^(bits-1) * scale): bit for bit the output of the same
 layout with zs, for every symmetric case of the grid (both activation
@@ -129,6 +134,31 @@ def _worker() -> dict:
             check(f"awq g{gs} m{m}", x, w_ref, None, lay, 4, 64)
             check(f"awq g{gs} m{m} float32 out", x, w_ref, None, lay, 4, 64, torch.float32)
             check(f"awq W4A8 g{gs} m{m} float32 out", x, w_ref, None, lay, 4, 64, torch.float32, True)
+    # bits=6: values below 64 in 8-bit fields (GGUF's 5- and 6-bit types), zero
+    # 32 when symmetric, float min terms (zs) otherwise; fp32 and int8 activations
+    for gs in (16, 32, 64):
+        for sym in (True, False):
+            n, k = 40, 256
+            q = torch.randint(0, 64, (n, k), generator=gen, dtype=torch.int32)
+            scale = torch.rand(n, k // gs, generator=gen) * 0.01 + 1e-3
+            zero = torch.full((n, k // gs), 32, dtype=torch.int32)
+            g_idx = (torch.arange(k) // gs).to(torch.int32)
+            mins = None if sym else torch.randn(n, k // gs, generator=gen) * 0.1
+            gi = g_idx.long()
+            if sym:
+                w6_ref = (q.double() - 32) * scale.double()[:, gi]
+            else:
+                w6_ref = q.double() * scale.double()[:, gi] + mins.double()[:, gi]
+            lay6 = formats.kernel_layout(q, zero, scale, g_idx, 6, drop_symmetric_zs=True, zs=mins)
+            if (lay6["zs"].numel() == 0) != sym:
+                failures.append(f"b6 g{gs} sym{sym}: zs of {lay6['zs'].numel()} values")
+            for m in (1, 3, 17):
+                for dt in (torch.float32, torch.bfloat16):
+                    x = torch.randn(m, k, generator=gen).to(dt)
+                    bias = torch.randn(n, generator=gen).to(dt) if m == 3 else None
+                    for a8 in (False, True):
+                        check(f"b6 g{gs} sym{sym} a8={a8} {m}x{k}x{n} {dt}", x, w6_ref, bias, lay6, 6, n,
+                              None, a8)
     # x not contiguous (the last AWQ layout): rows of a wider tensor, a transposed one
     for m in (1, 17):
         wide = torch.randn(m, 512, generator=gen).bfloat16()[:, 128:384]
@@ -169,7 +199,7 @@ def _worker() -> dict:
 @pytest.mark.parametrize("isa_path", ISA_PATHS)
 def test_wna16_linear_matches_reference(isa_path):
     result = run_worker(__file__, isa_path)
-    assert result["cases"] >= 1224 + 585
+    assert result["cases"] >= 1224 + 585 + 72
     assert result["sym_cases"] >= 864
     assert result["failures"] == [], result["failures"][:20]
 
@@ -185,20 +215,24 @@ def test_wna16_linear_rejects_bad_operands():
     x = torch.randn(1, 64)
     with pytest.raises(RuntimeError, match=r"zs may be empty for symmetric weights\), got \[1, 2, 8\]"):
         torch.ops.cpu_backend.wna16_linear(x, q, s, torch.zeros(1, 2, 8), 4, 32, 16)
-    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+    with pytest.raises(RuntimeError, match="bits must be 4, 6 or 8"):
         torch.ops.cpu_backend.wna16_linear(x, q, s, s, 3, 32, 16)
     with pytest.raises(RuntimeError, match="group_size=48"):
         torch.ops.cpu_backend.wna16_linear(x, q, s, s, 4, 48, 16)
     with pytest.raises(RuntimeError, match="x must be"):
         torch.ops.cpu_backend.wna16_linear(torch.randn(1, 63), q, s, s, 4, 32, 16)
     q8 = torch.zeros(1, 16, 64, dtype=torch.uint8)  # the same K in 8-bit
-    with pytest.raises(RuntimeError, match="int8_act needs 4-bit weights"):
+    with pytest.raises(RuntimeError, match="int8_act needs 4-bit weights .* got bits=8"):
         torch.ops.cpu_backend.wna16_linear(x, q8, s, s, 8, 32, 16, int8_act=True)
+    q6 = torch.zeros(1, 12, 64, dtype=torch.uint8)  # K = 48 in groups of 16: not whole units of 32
+    s6 = torch.zeros(1, 3, 16)
+    with pytest.raises(RuntimeError, match="int8_act needs .* got bits=6 group_size=16 K=48"):
+        torch.ops.cpu_backend.wna16_linear(torch.randn(1, 48), q6, s6, s6, 6, 16, 16, int8_act=True)
     with pytest.raises(RuntimeError, match=r"wna16_linear_out: out must be .* shape \[1, 16\], got \[1, 17\]"):
         torch.ops.cpu_backend.wna16_linear_out(torch.empty(1, 17), x, q, s, s, 4, 32, 16)
     with pytest.raises(RuntimeError, match=r"wna16_linear_out: out must be a contiguous float32/bfloat16/float16 .* Int"):
         torch.ops.cpu_backend.wna16_linear_out(torch.empty(1, 16, dtype=torch.int32), x, q, s, s, 4, 32, 16)
-    with pytest.raises(RuntimeError, match="int8_act needs 4-bit weights and a group size"):
+    with pytest.raises(RuntimeError, match="int8_act needs 4-bit weights in groups of a multiple of 32"):
         torch.ops.cpu_backend.wna16_linear(torch.randn(1, 32), torch.zeros(1, 4, 64, dtype=torch.uint8),
                                            torch.zeros(1, 2, 16), torch.zeros(1, 2, 16), 4, 16, 16,
                                            int8_act=True)

@@ -8,9 +8,11 @@ small unsigned integers, so it becomes the integer view of
     weight = (q - zero) * scale      (zero-point types: zero is one integer)
     weight = q * scale + min         (Q4_1, Q5_1, Q4_K, Q5_K: a float min)
 
-with q stored in 4 bits (Q4_0, Q4_1, Q4_K) or 8 bits (the 5-, 6- and 8-bit
-types: an 8-bit field holds them shifted so the zero is 128, the kernel's
-symmetric case, which needs no zero term in memory). Scales and mins are the
+with q stored in 4 bits (Q4_0, Q4_1, Q4_K), as "6 bits" (the 5- and 6-bit
+types: values below 64 in 8-bit fields, which the kernel multiplies with
+int8 activations too; Q5_0 shifted so that its zero is 32, the kernel's
+symmetric case, which needs no zero term in memory) or 8 bits (Q8_0, zero
+128). Scales and mins are the
 float32 products llama.cpp's `dequantize_row_*` forms (d * sc, dmin * m), so
 `dequantize(view)` equals the reference dequantization bit for bit
 (plugin_tests/test_gguf_blocks.py checks it against the `gguf` package's
@@ -32,7 +34,7 @@ class BlockType:
     name: str
     block_elems: int
     block_bytes: int
-    bits: int  # the kernel's field width for q
+    bits: int  # the kernel's bits for q: 4, 6 (values below 64 in 8-bit fields) or 8
     group_size: int  # inputs per scale
 
 
@@ -40,12 +42,12 @@ class BlockType:
 QUANTIZED = {
     2: BlockType("Q4_0", 32, 18, 4, 32),
     3: BlockType("Q4_1", 32, 20, 4, 32),
-    6: BlockType("Q5_0", 32, 22, 8, 32),
-    7: BlockType("Q5_1", 32, 24, 8, 32),
+    6: BlockType("Q5_0", 32, 22, 6, 32),
+    7: BlockType("Q5_1", 32, 24, 6, 32),
     8: BlockType("Q8_0", 32, 34, 8, 32),
     12: BlockType("Q4_K", QK_K, 144, 4, 32),
-    13: BlockType("Q5_K", QK_K, 176, 8, 32),
-    14: BlockType("Q6_K", QK_K, 210, 8, 16),
+    13: BlockType("Q5_K", QK_K, 176, 6, 32),
+    14: BlockType("Q6_K", QK_K, 210, 6, 16),
 }
 FLOAT = {0: ("F32", torch.float32), 1: ("F16", torch.float16), 30: ("BF16", torch.bfloat16)}
 BY_BLOCK_BYTES = {t.block_bytes: t for t in QUANTIZED.values()}  # all distinct
@@ -117,19 +119,19 @@ def _q4_1(b):
     return IntView(_flat(_nibbles(b[..., 4:20])), d, 4, 32, min=m)
 
 
-def _q5(b, qh, qs):
+def _q5(qh, qs):
     return _nibbles(qs) | (_high_bits(qh, 32) << 4)
 
 
 def _q5_0(b):
     d = _f16(b[..., 0:2])
-    q = _q5(b, b[..., 2:6], b[..., 6:22]) + 112  # (q5 - 16) = (q5 + 112) - 128
-    return IntView(_flat(q), d, 8, 32, zero=128)
+    q = _q5(b[..., 2:6], b[..., 6:22]) + 16  # (q5 - 16) = (q5 + 16) - 32
+    return IntView(_flat(q), d, 6, 32, zero=32)
 
 
 def _q5_1(b):
     d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
-    return IntView(_flat(_q5(b, b[..., 4:8], b[..., 8:24])), d, 8, 32, min=m)
+    return IntView(_flat(_q5(b[..., 4:8], b[..., 8:24])), d, 6, 32, min=m)
 
 
 def _q8_0(b):
@@ -157,7 +159,7 @@ def _q5_k(b):
     qs = b[..., 48:176].reshape(*b.shape[:-1], 4, 32)
     shifts = torch.arange(8, dtype=torch.uint8).reshape(4, 2, 1)
     high = ((qh.unsqueeze(-2) >> shifts) & 1).reshape(*b.shape[:-1], 4, 64)
-    return IntView(_flat(_nibbles(qs) | (high << 4)), scale, 8, 32, min=mn)
+    return IntView(_flat(_nibbles(qs) | (high << 4)), scale, 6, 32, min=mn)
 
 
 def _q6_k(b):
@@ -168,7 +170,7 @@ def _q6_k(b):
     low = _nibbles(ql)  # [.., 2, 128]
     high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(4, 1)) & 3
     q = low | (high.reshape(*b.shape[:-1], 2, 128) << 4)  # q6 in 0..63
-    return IntView(_flat(q + 96), _flat(d.unsqueeze(-1) * sc), 8, 16, zero=128)
+    return IntView(_flat(q), _flat(d.unsqueeze(-1) * sc), 6, 16, zero=32)
 
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,

@@ -10,8 +10,9 @@ out-of-tree plugin whose kernels are CUDA. This is the quantization config
   one fused layer); consecutive shards of one type are decoded to the
   integer view (cpu_backend.gguf.blocks), repacked once into
   `cpu_backend::wna16_linear`'s layout and run as one call (AVX2, AVX-512 and
-  portable builds alike; 4-bit types with int8 activations when the host's
-  VLLM_CPU_INT4_W4A8 is on, as for GPTQ);
+  portable builds alike; the 4-, 5- and 6-bit types with int8 activations
+  per 32 inputs when the host's VLLM_CPU_INT4_W4A8 is on, as GPTQ's 4-bit
+  layers; Q8_0 with fp32 activations);
 - `GGUFEmbeddingMethod` for the token embedding and the LM head: the same,
   and the embedding lookup dequantizes the rows it needs from that one copy,
   so a tied, quantized head is stored once.
@@ -153,8 +154,7 @@ def _segment(parts: list[torch.Tensor], dtype: torch.dtype) -> _Segment:
     packed = formats.kernel_layout(q, zero, scale, g_idx, v.bits, drop_symmetric_zs=True, zs=zs)
     return _Segment(n, qweight=packed["qweight"], scales=packed["scales"], zs=packed["zs"],
                     bits=v.bits, group_size=v.group_size,
-                    int8_act=v.bits == 4 and v.group_size % formats.A8_INPUTS == 0
-                    and envs.int4_w4a8())
+                    int8_act=v.bits in (4, 6) and envs.int4_w4a8())
 
 
 class GGUFLinearMethod(LinearMethodBase):

@@ -212,6 +212,8 @@ def kernel_layout(q, zero, scale, g_idx, bits: int, drop_symmetric_zs: bool = Fa
     `zs` [N, G] (optional) gives the zero term itself, for formats whose
     weight is q * scale + min with a float min (GGUF's Q4_1, Q4_K, ...);
     `zero` is then ignored.
+    bits=6 (q below 64, GGUF's 5- and 6-bit types) is the 8-bit layout whose
+    symmetric zero is 32; wna16_linear runs it with int8 activations too.
     Raises ValueError when the groups of g_idx are not all the same size.
     """
     n, k = q.shape
@@ -224,13 +226,14 @@ def kernel_layout(q, zero, scale, g_idx, bits: int, drop_symmetric_zs: bool = Fa
     perm = torch.sort(gi, stable=True).indices
     identity = bool((perm == torch.arange(k)).all())
     qs = (q if identity else q[:, perm]).to(torch.uint8)
-    kw = 32 // bits
+    field = 8 if bits == 6 else bits  # bits=6: values below 64 in 8-bit fields
+    kw = 32 // field
     gsp = -(-gs // kw) * kw  # group padded to whole words
     p = -(-n // KERNEL_NR)
     pad = p * KERNEL_NR - n
     qs = qs.reshape(n, g, gs)
     qs = torch.nn.functional.pad(qs, (0, gsp - gs, 0, 0, 0, pad))  # [P*16, G, gsp]
-    words = qs.reshape(p * KERNEL_NR, g * gsp // kw, 4, 8 // bits)  # [.., B, byte, field in byte]
+    words = qs.reshape(p * KERNEL_NR, g * gsp // kw, 4, 8 // field)  # [.., B, byte, field in byte]
     if bits == 4:
         words = words[..., 0] | (words[..., 1] << 4)
     else:
