@@ -112,7 +112,7 @@ def ours_worker(model: str, tokens: int, repeat: int, batch: int) -> dict:
 
 
 LLAMA_WORKER = r"""
-import json, os, statistics, sys, time, resource
+import json, os, statistics, sys, time
 t0 = time.perf_counter()
 from llama_cpp import Llama
 path, tokens, repeat, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
@@ -195,6 +195,28 @@ def model_files(name: str, root: Path, llama_python: str) -> tuple[Path, Path]:
         subprocess.run([llama_python, "-c", LLAMA_QUANTIZE, str(f16), str(tmp)], check=True)
         tmp.replace(out)
     return out, bf16
+
+
+def bytes_per_token(path: Path) -> int:
+    """Bytes a batch-1 decode step reads: every weight once, in our layout
+    (cpu_backend.gguf.quant: 4-bit or 8-bit fields, an fp32 scale per group
+    and an fp32 min where the type has one; float matrices in bf16)."""
+    import torch
+
+    from cpu_backend.gguf import blocks
+    from cpu_backend.gguf.checkpoint import GGUFCheckpoint
+
+    total = 0
+    for _, t in GGUFCheckpoint(path).weights():
+        if t.dtype == torch.uint8:
+            bt = blocks.block_type_of(t)
+            n, k = t.shape[0], t.shape[1] * bt.block_elems
+            field = 4 if bt.bits == 4 else 8
+            terms = 2 if bt.name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else 1
+            total += n * k * field // 8 + n * (k // bt.group_size) * 4 * terms
+        elif t.dim() == 2:
+            total += t.numel() * 2
+    return total
 
 
 # -------------------------------------------------------------- report ---
@@ -289,18 +311,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.e2e import machine_info, memory_bandwidth
     from cpu_backend import isa as isa_mod
+    from integration import models
 
     if args.report_only:
         out_stem = REPO / "benchmarks" / "results" / f"e2e_gguf_{isa_mod.selected_path()}"
         state = json.loads(out_stem.with_suffix(".json").read_text())
+        for name, r in state["files"].items():  # the layout's bytes as this checkout packs them
+            r["bytes_per_token"] = bytes_per_token(model_files(name, models.default_cache_root(),
+                                                               args.llama_python)[0])
+        out_stem.with_suffix(".json").write_text(json.dumps(state, indent=1) + "\n")
         write_report(state, out_stem)
         write_plot(state, out_stem)
         print(out_stem.with_suffix(".md").read_text())
         return 0
-    from cpu_backend.gguf.checkpoint import GGUFCheckpoint
-    from cpu_backend.gguf import blocks
-    from integration import models
-
     root = models.default_cache_root()
     bw = [statistics.median(memory_bandwidth())]
     state = {"machine": machine_info(), "isa": isa_mod.selected_path(), "tokens": args.tokens,
@@ -309,16 +332,7 @@ def main(argv: list[str] | None = None) -> int:
              "files": {}}
     for name in args.only.split(","):
         path, bf16 = model_files(name, root, args.llama_python)
-        ckpt = GGUFCheckpoint(path)
-        per_token = 0  # bytes our kernels read per token: every weight once in our layout
-        for hf, t in ckpt.weights():
-            if t.dtype == __import__("torch").uint8:
-                bt = blocks.block_type_of(t)
-                n, k = t.shape[0], t.shape[1] * bt.block_elems
-                zs = bt.name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
-                per_token += n * k * bt.bits // 8 + n * (k // bt.group_size) * 4 * (2 if zs else 1)
-            elif t.dim() == 2:
-                per_token += t.numel() * 2
+        per_token = bytes_per_token(path)
         with tempfile.TemporaryDirectory() as cache:
             env = {"VLLM_CPU_BACKEND_GGUF_CACHE": cache}
             log(f"{name}: ours (cold derived-folder cache)")

@@ -17,12 +17,14 @@
   answer; the weights stay in their blocks: every byte of weights the model
   holds (what the worker moves onto huge pages) is within 1.3x the file's
   size.
-- A damaged file fails `vllm serve` at argument parsing with the reason.
+- A damaged file fails `vllm serve` at argument parsing with the reason; tensor
+  parallel and another load format fail at start with the documented errors.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,24 @@ def test_damaged_file_fails_serve_with_the_reason(q4_1, tmp_path):
     code, out = run_vllm(["serve", str(cut), "--port", "1"], timeout=120)
     assert code != 0
     assert "cut.gguf" in out and ("truncated" in out or "damaged" in out), out[-3000:]
+
+
+@pytest.mark.parametrize("option,message", [
+    ({"tensor_parallel_size": 2}, "--tensor-parallel-size 2: GGUF models run on one rank in "
+                                  "cpu_backend for now (use --data-parallel-size, or a GPTQ/AWQ copy)."),
+    ({"load_format": "safetensors"}, "--load-format safetensors cannot load a GGUF model: leave it "
+                                     "unset (or use gguf)."),
+])
+def test_options_a_gguf_model_cannot_take_fail_with_the_documented_error(model_root, option, message):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from cpu_backend.gguf import prepare
+    from cpu_backend.quantization import register
+
+    register()
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    assert message in docs
+    with pytest.raises(Exception, match=re.escape(message)):
+        # 4 heads (SmolLM2's 9 fail the host's own check for 2 ranks first)
+        EngineArgs(model=prepare(gguf_files.small_qwen2_kmix(model_root)),
+                   **option).create_engine_config()

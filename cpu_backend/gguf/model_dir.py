@@ -96,6 +96,9 @@ def _derive(path: str, out: Path) -> None:
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except ImportError as e:  # transformers reads GGUF metadata with the `gguf` package
+        raise GGUFFileError(f"{path}: reading a GGUF file's config and tokenizer needs the `gguf` "
+                            f"package (pip install gguf): {e}") from None
     except (ValueError, KeyError, OSError) as e:
         raise GGUFFileError(f"{path}: transformers cannot derive the config or tokenizer of "
                             f"this {ckpt.architecture} GGUF file ({e})") from None
