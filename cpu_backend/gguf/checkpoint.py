@@ -113,27 +113,40 @@ class _Cursor:
         self.pos += struct.calcsize(fmt)
         return value
 
+    def advance(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise ValueError("metadata runs past the end of the file")
+        self.pos += n
+
     def string(self) -> str:
         n = self.take("<Q")
-        if self.pos + n > len(self.buf):
-            raise ValueError("string runs past the end of the file")
-        self.pos += n
+        self.advance(n)
         return self.buf[self.pos - n:self.pos].decode("utf-8", errors="replace")
 
-    def value(self, vtype: int, keep: bool):
-        """A value of `vtype`; arrays are skipped (None) unless `keep`."""
+    def value(self, vtype: int):
+        """A scalar or string value; an array (the tokenizer's) is skipped: None."""
         if vtype in _SCALAR:
             return self.take(_SCALAR[vtype])
         if vtype == _STRING:
             return self.string()
-        if vtype != _ARRAY:
+        self.skip(vtype)
+        return None
+
+    def skip(self, vtype: int) -> None:
+        """Past a value without decoding it."""
+        if vtype in _SCALAR:
+            self.advance(struct.calcsize(_SCALAR[vtype]))
+        elif vtype == _STRING:
+            self.advance(self.take("<Q"))
+        elif vtype == _ARRAY:
+            etype, count = self.take("<I"), self.take("<Q")
+            if etype in _SCALAR:
+                self.advance(count * struct.calcsize(_SCALAR[etype]))
+            else:
+                for _ in range(count):
+                    self.skip(etype)
+        else:
             raise ValueError(f"unknown metadata value type {vtype}")
-        etype, count = self.take("<I"), self.take("<Q")
-        if etype in _SCALAR and not keep:
-            self.pos += count * struct.calcsize(_SCALAR[etype])
-            return None
-        items = [self.value(etype, keep) for _ in range(count)]
-        return items if keep else None
 
 
 def read_header(path: str) -> tuple[dict, list[TensorInfo]]:
@@ -154,7 +167,7 @@ def read_header(path: str) -> tuple[dict, list[TensorInfo]]:
         fields = {}
         for _ in range(n_kv):
             key = cur.string()
-            value = cur.value(cur.take("<I"), keep=False)
+            value = cur.value(cur.take("<I"))
             if value is not None:
                 fields[key] = value
         raw = []
