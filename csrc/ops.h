@@ -41,7 +41,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                     const at::Tensor& slot_mapping, int64_t kv_format, double k_scale, double v_scale);
 
-// RMSNorm (norm.cpp), rounding like vLLM's native rms_norm. x: [rows, hidden].
+// RMSNorm (norm.cpp), rounding like vLLM's native rms_norm. x: [rows, hidden], or
+// [tokens, heads, head_dim] (per-head q/k norms) into a contiguous out; weight in x's dtype or fp32.
 void rms_norm(at::Tensor& out, const at::Tensor& x, const std::optional<at::Tensor>& weight,
               double eps);
 // In place: residual <- x + residual; x <- rms_norm(that sum).
