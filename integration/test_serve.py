@@ -12,8 +12,9 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def server(smollm2):
-    with serve(smollm2, *SERVE_ARGS) as s:
+def server(smollm2_bf16):
+    # The copy `./run.sh serve` serves: bf16 on disk, served as bf16.
+    with serve(smollm2_bf16, *SERVE_ARGS) as s:
         yield s
 
 
@@ -28,6 +29,12 @@ def test_server_runs_our_platform(server):
     log = server.log()
     assert "cpu_backend: platform=CpuBackendPlatform attention=CPU_BACKEND_ATTN" in log
     assert "worker=CpuBackendWorker" in log
+
+
+def test_serving_the_bf16_copy_converts_no_weight(server):
+    # The host warns once per weight whose dtype differs from the served one
+    # (122 lines for an fp32 copy served in bf16).
+    assert "Attempted to load weight" not in server.log()
 
 
 def test_models(client):
