@@ -35,8 +35,8 @@ def test_mkdocs_build_strict(tmp_path):
                  "performance", "tuning", "troubleshooting", "architecture"):
         assert (site / page / "index.html").exists(), page
     # benchmarks/results/ is published: the performance page's plots resolve.
-    assert (site / "results" / "e2e.png").exists()
-    assert 'src="../results/e2e.png"' in (site / "performance" / "index.html").read_text()
+    assert (site / "results" / "e2e_avx2.png").exists()
+    assert 'src="../results/e2e_avx2.png"' in (site / "performance" / "index.html").read_text()
 
 
 def _copy_site_sources(tmp_path: Path) -> Path:
