@@ -28,6 +28,7 @@ platform's own hooks, exactly what we own:
 from __future__ import annotations
 
 import inspect
+import multiprocessing
 import os
 from typing import TYPE_CHECKING
 
@@ -325,7 +326,10 @@ def _plan_threads_bind(vllm_config: VllmConfig) -> None:
         return
     host_value = plan.host_value()
     os.environ[envs.OMP_THREADS_BIND] = host_value
-    os.environ[_BIND_TRANSLATED] = f"{spec}=>{host_value}"
+    translated = f"{spec}=>{host_value}"
+    if _start_up_logged_by_parent() and os.environ.get(_BIND_TRANSLATED) == translated:
+        return  # planned the same, and logged, by the parent
+    os.environ[_BIND_TRANSLATED] = translated
     logger.info(
         "cpu_backend: %s=%r planned as %r (%d local rank(s)); reserved CPUs: %s",
         envs.OMP_THREADS_BIND, spec, host_value, len(plan.ranks),
@@ -346,6 +350,15 @@ def _size_kv_cache(vllm_config: VllmConfig) -> None:
 
 
 _logged = False
+# Set by the process that logged the start-up lines, for its children to see.
+_START_UP_LOGGED = "CPU_BACKEND_START_UP_LOGGED"
+
+
+def _start_up_logged_by_parent() -> bool:
+    """In the engine core (a multiprocessing child of the API server or of the
+    `LLM` script) the host configures the platform again: its start-up lines
+    would repeat what the parent logged, so they are left out there."""
+    return multiprocessing.parent_process() is not None and os.environ.get(_START_UP_LOGGED) == "1"
 
 
 def _executor_name(backend) -> str:
@@ -358,6 +371,9 @@ def _log_choice_once(vllm_config: VllmConfig) -> None:
     if _logged:
         return
     _logged = True
+    if _start_up_logged_by_parent():
+        return
+    os.environ[_START_UP_LOGGED] = "1"
     _start_up_hints()
     logger.info(
         "cpu_backend: platform=%s attention=%s worker=%s executor=%s isa=%s kernels=native "

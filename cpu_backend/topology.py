@@ -17,7 +17,9 @@ Policies (documented in docs/threads_and_tp.md):
 - `auto`: usable CPUs = online ∩ affinity ∩ cpuset; one CPU per physical core
   (lowest id, siblings left out); ranks get whole NUMA nodes when there are at
   least as many nodes as ranks, else each node's cores are split evenly among
-  `ranks / nodes` ranks. Reserved CPUs come off the ends of the last ranks.
+  `ranks / nodes` ranks. Reserved CPUs come off the ends of the last ranks;
+  by default one per rank that keeps at least two (so a 2-core machine
+  computes on both: measured, docs/threads_and_tp.md "Default plan").
 - `all`: as `auto` but hyper-thread siblings included and nothing reserved.
 - `nobind`: no plan; OpenMP and the OS decide.
 - lists: `0-3,8|4-7`, one list per local rank.
@@ -296,26 +298,26 @@ def _auto(topo: Topology, value: str, world_size: int, reserved: int | None, smt
         )
     warnings = []
     if smt:
-        reserve = 0
+        counts = [0] * world_size
+    elif reserved is None:
+        # The host's rule, one core per local rank for the engine core's
+        # scheduling and the API server, but only from ranks that keep two or
+        # more: on 2 cores, computing on 1 served 8 and 32 streams slower
+        # (measured: docs/threads_and_tp.md, "Default plan").
+        counts = [1 if len(g) >= 3 else 0 for g in groups]
     else:
         total = sum(len(g) for g in groups)
         spare = total - world_size  # every rank keeps at least one core
-        if reserved is None:
-            # The host's default: one core per local rank for the engine core
-            # and API server, as far as every rank keeps a core.
-            reserve = min(world_size, spare)
-        else:
-            if reserved > spare:
-                raise BindError(
-                    NUM_OF_RESERVED_CPU, str(reserved),
-                    f"reserving {reserved} of the {total} cores that VLLM_CPU_OMP_THREADS_BIND="
-                    f"{value!r} selects for {world_size} rank(s) leaves a rank without a core "
-                    f"(at most {spare})",
-                )
-            reserve = reserved
-    counts = [reserve // world_size] * world_size
-    for i in range(reserve % world_size):
-        counts[world_size - 1 - i] += 1
+        if reserved > spare:
+            raise BindError(
+                NUM_OF_RESERVED_CPU, str(reserved),
+                f"reserving {reserved} of the {total} cores that VLLM_CPU_OMP_THREADS_BIND="
+                f"{value!r} selects for {world_size} rank(s) leaves a rank without a core "
+                f"(at most {spare})",
+            )
+        counts = [reserved // world_size] * world_size
+        for i in range(reserved % world_size):
+            counts[world_size - 1 - i] += 1
     kept, held = [], []
     for g, n in zip(groups, counts):
         kept.append(g[: len(g) - n])

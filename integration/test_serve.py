@@ -37,6 +37,19 @@ def test_serving_the_bf16_copy_converts_no_weight(server):
     assert "Attempted to load weight" not in server.log()
 
 
+def test_start_up_lines_logged_once(server):
+    from cpu_backend import topology
+
+    # The API server logs the plan and the platform line; the engine core
+    # configures the platform again, quietly.
+    log = server.log().splitlines()
+    for marker in ("planned as", "cpu_backend: platform="):
+        lines = [line for line in log if marker in line]
+        assert len(lines) == 1 and "(APIServer" in lines[0], (marker, lines)
+    plan = next(line for line in log if "planned as" in line)
+    assert f"planned as '{topology.plan_from_env(1).host_value()}'" in plan
+
+
 def test_models(client):
     assert [m.id for m in client.models.list().data] == ["smol"]
 

@@ -90,11 +90,12 @@ def test_rank_binding_follows_the_planned_lists(monkeypatch):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
-@pytest.mark.parametrize("bind, executor", [
-    ("all", "cpu_backend.worker.thread_executor.WorkerThreadExecutor"),  # no CPU of its own for the engine
-    ("auto", "uni"),  # one CPU left to the frontend: the worker on the engine's thread
+@pytest.mark.parametrize("bind, reserved, executor", [
+    ("all", None, "cpu_backend.worker.thread_executor.WorkerThreadExecutor"),  # no CPU of its own for the engine
+    ("auto", "1", "uni"),  # one CPU left to the frontend: the worker on the engine's thread
 ])
-def test_worker_in_engine_runs_on_its_own_thread_only_when_bound_to_every_cpu(bind, executor, monkeypatch):
+def test_worker_in_engine_runs_on_its_own_thread_only_when_bound_to_every_cpu(bind, reserved, executor,
+                                                                              monkeypatch):
     from types import SimpleNamespace
 
     from cpu_backend import platform
@@ -102,6 +103,8 @@ def test_worker_in_engine_runs_on_its_own_thread_only_when_bound_to_every_cpu(bi
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
     for name in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "KMP_BLOCKTIME", "KMP_TPAUSE"):
         monkeypatch.delenv(name, raising=False)  # restored afterwards
+    if reserved is not None:
+        monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", reserved)
     parallel_config = SimpleNamespace(distributed_executor_backend="uni")
     platform._keep_worker_in_engine_process(parallel_config)
     assert parallel_config.distributed_executor_backend == executor

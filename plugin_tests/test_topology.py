@@ -146,6 +146,8 @@ def test_container_cpuset_limits_auto_and_lists(tmp_path, version):
     p = plan(t, "auto", world_size=1, reserved=None)
     assert p.ranks[0].cpus == (8, 9, 10) and p.reserved == (11,)
     p = plan(t, "auto", world_size=2, reserved=None)  # one node: its cores split
+    assert p.host_value() == "8-9|10-11" and p.reserved == ()  # no rank left with one core
+    p = plan(t, "auto", world_size=2, reserved=2)
     assert p.host_value() == "8|10" and p.reserved == (9, 11)
     with pytest.raises(BindError, match="not usable"):
         plan(t, "0-3", world_size=1)
@@ -168,8 +170,11 @@ def test_offline_cpus_left_out_and_named(tmp_path):
 def test_single_node_box_like_this_machine(tmp_path):
     t = discover(make_tree(tmp_path, sockets=1, cores=2))
     assert t.nodes == [0]
-    # TP=1: the host's rule, one core bound and one left to the engine core.
+    # TP=1: both cores compute (the host's rule would leave one to the engine
+    # core: measured slower, docs/threads_and_tp.md); asked for, one is reserved.
     p = plan(t, "auto", world_size=1, reserved=None)
+    assert p.host_value() == "0-1" and p.reserved == ()
+    p = plan(t, "auto", world_size=1, reserved=1)
     assert p.host_value() == "0" and p.reserved == (1,)
     # TP=2: one core each; nothing can be reserved.
     p = plan(t, "auto", world_size=2, reserved=None)
@@ -177,6 +182,12 @@ def test_single_node_box_like_this_machine(tmp_path):
     with pytest.raises(BindError, match="at least one core each"):
         plan(t, "auto", world_size=3)
     assert plan(t, "nobind", world_size=2).ranks == ()
+
+
+@pytest.mark.parametrize("cores, bound, reserved", [(3, "0-1", (2,)), (4, "0-2", (3,))])
+def test_a_rank_with_three_or_more_cores_leaves_one_to_the_frontend(tmp_path, cores, bound, reserved):
+    p = plan(discover(make_tree(tmp_path, sockets=1, cores=cores)), "auto", world_size=1, reserved=None)
+    assert p.host_value() == bound and p.reserved == reserved
 
 
 def test_no_numa_directory_means_node_zero(tmp_path):
