@@ -243,6 +243,20 @@ def test_bad_files_get_clear_errors(tmp_path):
             ("blk.0.ssm_a.weight", np.ones((4, 32), np.float32), None)]))
 
 
+def test_unwritable_cache_folder_is_a_clear_error(tmp_path, monkeypatch):
+    from cpu_backend.gguf.checkpoint import GGUFFileError
+    from cpu_backend.gguf.model_dir import prepare
+
+    gguf_file = tmp_path / "m.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    blocker = tmp_path / "a_file"  # a folder cannot be made below it, even as root
+    blocker.write_text("")
+    monkeypatch.setenv("VLLM_CPU_BACKEND_GGUF_CACHE", str(blocker / "cache"))
+    with pytest.raises(GGUFFileError, match=r"m.gguf: cannot write its derived config and tokenizer "
+                       r"into .*a_file/cache \(Not a directory\); set VLLM_CPU_BACKEND_GGUF_CACHE"):
+        prepare(gguf_file)
+
+
 def test_cli_types_only_gguf_paths(tmp_path, monkeypatch):
     import argparse
 

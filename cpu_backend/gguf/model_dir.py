@@ -44,10 +44,10 @@ def _source_key(path: str) -> dict:
 def prepare(gguf_file: str | os.PathLike) -> str:
     """The folder (config.json, tokenizer, generation config) for `gguf_file`,
     derived on first use. Raises GGUFFileError for a file we cannot serve."""
+    from cpu_backend.gguf.checkpoint import GGUFFileError
+
     path = os.path.abspath(os.fspath(gguf_file))
     if not os.path.isfile(path):
-        from cpu_backend.gguf.checkpoint import GGUFFileError
-
         raise GGUFFileError(f"{path}: no such GGUF file")
     key = _source_key(path)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -55,17 +55,22 @@ def prepare(gguf_file: str | os.PathLike) -> str:
     dest = root / f"{Path(path).stem}-{digest}"
     if _complete(dest, key):
         return str(dest)
-    root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{dest.name}.lock"):
-        if not _complete(dest, key):
-            tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=root))
-            try:
-                _derive(path, tmp)
-                (tmp / _MARKER).write_text(json.dumps(key))
-                shutil.rmtree(dest, ignore_errors=True)
-                os.replace(tmp, dest)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with _locked(root / f".{dest.name}.lock"):
+            if not _complete(dest, key):
+                tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=root))
+                try:
+                    _derive(path, tmp)
+                    (tmp / _MARKER).write_text(json.dumps(key))
+                    shutil.rmtree(dest, ignore_errors=True)
+                    os.replace(tmp, dest)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:  # read-only, not ours, full: say where and what to set
+        raise GGUFFileError(
+            f"{path}: cannot write its derived config and tokenizer into {root} "
+            f"({e.strerror or e}); set {envs.GGUF_CACHE} to a writable folder") from None
     return str(dest)
 
 
