@@ -90,11 +90,11 @@ def this_tier() -> str:
     return isa.selected_path()
 
 
-def stem(quick: bool, avx2: bool = False, tier: str | None = None) -> str:
-    """Output file stem, one per tier: e2e_<tier>[_quick]. An --avx2-emulation run
-    writes the avx2 tier's files (the table says it was emulated); a --quick run
-    never overwrites the full results."""
-    return f"e2e_{'avx2' if avx2 else (tier or this_tier())}" + ("_quick" if quick else "")
+def stem(tier: str, quick: bool) -> str:
+    """Output file stem, one per tier: e2e_<tier>[_quick] (an --avx2-emulation run has
+    tier avx2; its table says it was emulated); a --quick run never overwrites the full
+    results."""
+    return f"e2e_{tier}" + ("_quick" if quick else "")
 
 
 # --avx2-emulation: what an AVX2-only CPU runs. oneDNN and ATen (both backends'
@@ -478,7 +478,7 @@ def write_report(state: dict, quick: bool) -> None:
             L.append(f"- {MODELS[r['model']][0]}, {r['backend_label']}: `{r.get('error', '?')[:1500]}` "
                      f"(log: `{r.get('log')}`)")
         L.append("")
-    st = stem(quick, state.get("avx2_emulation", False), state.get("tier"))
+    st = stem(state["tier"], quick)
     L.append(f"Raw numbers (all samples): `benchmarks/results/{st}.json`; plot: `benchmarks/results/{st}.png`.")
     (RESULTS / f"{st}.md").write_text("\n".join(L) + "\n")
 
@@ -561,13 +561,13 @@ def write_plot(state: dict, quick: bool) -> None:
     fig.suptitle(f"vllm-cpu-backend vs in-tree CPU backend — {state['machine'].get('cpu', '')}, "
                  f"{state['machine'].get('cores')} cores, {state['date']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{stem(quick, state.get('avx2_emulation', False), state.get('tier'))}.png", dpi=110)
+    fig.savefig(RESULTS / (stem(state["tier"], quick) + ".png"), dpi=110)
     plt.close(fig)
 
 
 def save(state: dict, quick: bool) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{stem(quick, state.get('avx2_emulation', False), state.get('tier'))}.json").write_text(json.dumps(state, indent=1) + "\n")
+    (RESULTS / (stem(state["tier"], quick) + ".json")).write_text(json.dumps(state, indent=1) + "\n")
     write_report(state, quick)
     try:
         write_plot(state, quick)
@@ -594,12 +594,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tier", default=None,
                     help="with --report-only: the tier whose files to re-render (default: this CPU's)")
     args = ap.parse_args(argv)
-    tier = args.tier or this_tier()
+    tier = "avx2" if args.avx2_emulation else (args.tier or this_tier())
+    name = stem(tier, args.quick)
     if args.report_only:
-        state = json.loads((RESULTS / f"{stem(args.quick, args.avx2_emulation, tier)}.json").read_text())
+        state = json.loads((RESULTS / f"{name}.json").read_text())
         state.setdefault("tier", tier)
         save(state, args.quick)
-        print((RESULTS / f"{stem(args.quick, args.avx2_emulation, tier)}.md").read_text())
+        print((RESULTS / f"{name}.md").read_text())
         return 0
 
     sys.path.insert(0, str(REPO))
@@ -614,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         weights[mkey] = weight_bytes(folders[mkey], MODELS[mkey][2])
         log(f"{mkey}: {folders[mkey]} ({weights[mkey] / 1e6:.1f} MB of weights per token)")
 
-    logs = RESULTS / "e2e_logs" / stem(args.quick, args.avx2_emulation, tier) / time.strftime("%Y%m%d-%H%M%S")
+    logs = RESULTS / "e2e_logs" / name / time.strftime("%Y%m%d-%H%M%S")
     logs.mkdir(parents=True, exist_ok=True)
     def checkpoint(when: str, reps: int) -> float:
         samples = memory_bandwidth(reps=reps)
@@ -628,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": now,
         "quick": args.quick,
         "avx2_emulation": args.avx2_emulation,
-        "tier": "avx2" if args.avx2_emulation else tier,
+        "tier": tier,
         "avx2_cpu_masked": args.avx2_emulation,  # the host on its _C_AVX2 build too
         "machine": machine_info(),
         "bandwidth": {"checkpoints": []},
@@ -636,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         "folders": {k: str(v) for k, v in folders.items()},
         "runs": [],
     }
-    json_path = RESULTS / f"{stem(args.quick, args.avx2_emulation, tier)}.json"
+    json_path = RESULTS / f"{name}.json"
     if args.merge and json_path.is_file():  # keep the other runs of the last report
         old = json.loads(json_path.read_text())
         names = {r["name"] for r in runs}
@@ -665,8 +666,8 @@ def main(argv: list[str] | None = None) -> int:
         save(state, args.quick)
     checkpoint("after" if not args.merge else f"after merge {now}", 9)
     save(state, args.quick)
-    log(f"wrote {RESULTS / stem(args.quick, args.avx2_emulation, tier)}.md, .png and .json")
-    print((RESULTS / f"{stem(args.quick, args.avx2_emulation, tier)}.md").read_text())
+    log(f"wrote {RESULTS / name}.md, .png and .json")
+    print((RESULTS / f"{name}.md").read_text())
     return 0
 
 

@@ -9,7 +9,7 @@
 
 namespace cpu_backend {
 
-// Which build this library is: "avx512" | "avx2" | "portable".
+// Which library of setup.py's ISA_LIBS this is: "amx", "avx512", "avx_vnni", "avx2" or "portable".
 std::string isa();
 
 // Output features per packed panel (NR) in this build.

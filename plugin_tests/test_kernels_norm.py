@@ -56,8 +56,10 @@ def _worker() -> dict:
                 if not close(norm.rms_norm.impl_fn(x, None, 1e-5), native_rms(x, None, 1e-5)):
                     failures.append(f"rms_norm no weight {label}")
                 # x's dtype, and (bf16/fp16) Gemma's fp32 weight 1 + w
-                weights = {"": w} if dtype == torch.float32 else {"": w, "fp32 weight ": w.float() + 1.0}
-                for kind, wt in weights.items():
+                def weights(w):
+                    return {"": w} if dtype == torch.float32 else {"": w, "fp32 weight ": w.float() + 1.0}
+
+                for kind, wt in weights(w).items():
                     if not close(norm.rms_norm.impl_fn(x, wt, 1e-6), native_rms(x, wt, 1e-6)):
                         failures.append(f"rms_norm {kind}{label}")
                     want_x, want_r = native_add(x.clone(), r.clone(), wt, 1e-6)
@@ -72,11 +74,11 @@ def _worker() -> dict:
                     qkv = torch.randn(rows, hidden * 2, generator=gen).to(dtype)
                     q = qkv[:, hidden // 2:hidden // 2 + hidden].unflatten(-1, (heads, hd))
                     wh = torch.randn(hd, generator=gen).to(dtype)
-                    for weight in (wh, wh.float() + 1.0 if dtype != torch.float32 else wh):
-                        if not norm._supports(q, weight, 1e-6):
-                            failures.append(f"per-head rows not covered {label}")
-                        elif not close(norm.rms_norm.impl_fn(q, weight, 1e-6), native_rms(q, weight, 1e-6)):
-                            failures.append(f"rms_norm per-head rows {weight.dtype} {label}")
+                    for kind, wt in weights(wh).items():
+                        if not norm._supports(q, wt, 1e-6):
+                            failures.append(f"per-head rows not covered {kind}{label}")
+                        elif not close(norm.rms_norm.impl_fn(q, wt, 1e-6), native_rms(q, wt, 1e-6)):
+                            failures.append(f"rms_norm per-head rows {kind}{label}")
     return {"isa": isa, "failures": failures}
 
 

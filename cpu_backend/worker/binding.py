@@ -142,8 +142,9 @@ def check_before_load(vllm_config, binding: topology.RankBinding | None) -> None
     if size is None:
         logger.debug("Memory-fit check skipped: no local checkpoint at %s", model_config.model)
         return
-    ckpt_dtype = getattr(model_config.hf_config, "torch_dtype", None) or getattr(
-        model_config.hf_config, "dtype", None)
+    # `dtype` first: reading `torch_dtype` makes transformers log a deprecation line.
+    ckpt_dtype = getattr(model_config.hf_config, "dtype", None) or getattr(
+        model_config.hf_config, "torch_dtype", None)
     if isinstance(ckpt_dtype, str):
         ckpt_dtype = getattr(torch, ckpt_dtype, None)
     if isinstance(ckpt_dtype, torch.dtype):

@@ -1,6 +1,7 @@
 // Selects the one VecF32x16 for the library being built. setup.py compiles the
-// same sources three times, each with exactly one of these macros (and the
-// matching -m flags), into three separate shared libraries.
+// same sources once per library of its ISA_LIBS table, each with exactly one of
+// these macros (amx adds CPU_BACKEND_HAS_AMX to AVX512, avx_vnni adds
+// CPU_BACKEND_HAS_AVX_VNNI to AVX2) and the matching -m flags.
 #pragma once
 
 #if defined(CPU_BACKEND_ISA_AVX512)
