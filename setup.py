@@ -22,7 +22,6 @@ narrower rebuild in the same checkout never packs a stale library.
 """
 
 import os
-import platform
 import sys
 from pathlib import Path
 
@@ -58,27 +57,25 @@ DEPENDS = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "csrc").rglob("*.h")
 # -g0: Python's CFLAGS add -g, which doubles compile time and .so size.
 # -Wno-maybe-uninitialized: GCC 12 false positives on _mm512_undefined_*().
 COMMON_FLAGS = ["-O3", "-g0", "-fopenmp", "-Wno-c++20-extensions", "-Wno-maybe-uninitialized"]
-X86 = platform.machine() in ("x86_64", "AMD64")
 
-# name -> (macros, ISA flags). amx is the avx512 library plus AMX tiles for the
-# bf16 and W8A8 int8 GEMMs (linear_amx.cpp: Sapphire Rapids and newer).
-# avx_vnni is the avx2 library plus 256-bit VNNI (AVX-VNNI: Intel Alder Lake and
-# later client parts, Sierra Forest), which only the int8 dot products use.
-AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
-# portable: -O2 (the last -O wins). With -O3 its attention.cpp alone took
-# 13.5 min of a CI build on 2 cores; -O2 and no forced inlining (vec_common.h)
-# take ~1.5 min.
-ISA_LIBS = {
-    "portable": (["CPU_BACKEND_ISA_PORTABLE"], ["-O2"]),
-}
-if X86:
-    ISA_LIBS["avx2"] = (["CPU_BACKEND_ISA_AVX2"], AVX2_FLAGS)
-    ISA_LIBS["avx_vnni"] = (["CPU_BACKEND_ISA_AVX2", "CPU_BACKEND_HAS_AVX_VNNI"], AVX2_FLAGS + ["-mavxvnni"])
-    AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-                    "-mavx512vnni", "-mfma", "-mf16c", "-mavx2"]
-    ISA_LIBS["avx512"] = (["CPU_BACKEND_ISA_AVX512"], AVX512_FLAGS)
-    ISA_LIBS["amx"] = (["CPU_BACKEND_ISA_AVX512", "CPU_BACKEND_HAS_AMX"],
-                       AVX512_FLAGS + ["-mamx-tile", "-mamx-bf16", "-mamx-int8"])
+
+def _isa_table():
+    """cpu_backend.isa of this checkout: the one table of ISA paths, what
+    each library is compiled with and where it runs (torch-free)."""
+    sys.path.insert(0, str(ROOT))
+    # An installed copy is already imported (site-packages' .pth imports
+    # cpu_backend._dist_alias at start-up): read these sources, not its.
+    for name in [m for m in sys.modules if m == "cpu_backend" or m.startswith("cpu_backend.")]:
+        del sys.modules[name]
+    from cpu_backend import isa
+
+    return isa
+
+
+ISA = _isa_table()
+# name -> (macros, ISA flags), the libraries this machine's kind can build.
+ISA_LIBS = {name: (list(ISA.PATHS[name].macros), list(ISA.PATHS[name].compile_flags))
+            for name in ISA.buildable_paths()}
 
 
 def libraries_to_build() -> dict:
@@ -87,15 +84,7 @@ def libraries_to_build() -> dict:
     if wanted == "all":
         return ISA_LIBS
     if wanted == "native":
-        sys.path.insert(0, str(ROOT))  # both modules are torch-free
-        # An installed copy is already imported (site-packages' .pth imports
-        # cpu_backend._dist_alias at start-up): read these sources, not its.
-        for name in [m for m in sys.modules if m == "cpu_backend" or m.startswith("cpu_backend.")]:
-            del sys.modules[name]
-        from cpu_backend import isa as isa_paths
-        from cpu_backend.ops import LIBRARY_FOR_PATH
-
-        names = {LIBRARY_FOR_PATH[path] for path in isa_paths.supported_paths()}
+        names = set(ISA.supported_paths())
     else:
         names = {n.strip() for n in wanted.split(",") if n.strip()}
     unknown = names - set(ISA_LIBS)

@@ -38,7 +38,7 @@ def worker(threads: int, iters: int) -> dict:
     torch.set_num_threads(threads)
     from cpu_backend import ops
     from cpu_backend.ops import linear as dense
-    from cpu_backend.quantization.w8a8 import kernel_layout
+    from cpu_backend.quantization.formats import int8_kernel_layout as kernel_layout
 
     isa = ops.load()
     hops = _host_int8()

@@ -2,14 +2,18 @@
 
 They keep the meaning vLLM's CPU documentation gives them. Every bad value
 raises `EnvError` naming the variable and what it accepts, at engine start-up,
-before any request is taken. Reads are not cached: tests and the host change
-`os.environ` between engines.
+before any request is taken; `cpu_backend.topology` raises the same error for
+a binding the machine cannot honour. The CPU-list grammar
+(`parse_cpu_list` / `format_cpu_list`) is here, shared by the variables and
+sysfs. Reads are not cached: tests and the host change `os.environ` between
+engines. Stdlib only: everything else imports this module.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 
 KVCACHE_SPACE = "VLLM_CPU_KVCACHE_SPACE"
@@ -30,26 +34,44 @@ WORKER_IN_ENGINE = "VLLM_CPU_BACKEND_WORKER_IN_ENGINE"
 HUGE_PAGE_WEIGHTS = "VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS"
 # Ours: where the config/tokenizer folders derived from GGUF files are cached.
 GGUF_CACHE = "VLLM_CPU_BACKEND_GGUF_CACHE"
+# Ours: the shared-memory all-reduce of ranks on one host (cpu_backend.shm_group):
+# 1 (default) or 0 to force gloo, the slot size per rank, and how long a rank
+# waits for its peers before a clear error.
+SHM = "VLLM_CPU_BACKEND_SHM"
+SHM_SLOT_MB = "VLLM_CPU_BACKEND_SHM_SLOT_MB"
+SHM_TIMEOUT_S = "VLLM_CPU_BACKEND_SHM_TIMEOUT_S"
+# Names these had before the VLLM_CPU_BACKEND_ prefix; still read, with a warning.
+DEPRECATED_ALIASES = {
+    SHM: "CPU_BACKEND_SHM",
+    SHM_SLOT_MB: "CPU_BACKEND_SHM_SLOT_MB",
+    SHM_TIMEOUT_S: "CPU_BACKEND_SHM_TIMEOUT_S",
+}
 # The host's: serve 4-bit checkpoints with int8 activations (W4A8), default 1.
 INT4_W4A8 = "VLLM_CPU_INT4_W4A8"
 # The host's own flags, read with bool(int(...)) deep inside its workers.
 HOST_INT_FLAGS = ("VLLM_CPU_CI_ENV", "VLLM_CPU_ATTN_SPLIT_KV", INT4_W4A8)
 
 _GiB = 1 << 30
-# "0-3,8|4-7,9": per-rank CPU lists separated by "|", ranges and single ids.
+# One rank's CPU list: ranges and single ids, "0-3,8"; ranks are joined by "|".
 _CPU_LIST_RE = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 
 
 class EnvError(ValueError):
-    """A `VLLM_CPU_*` variable holds a value we cannot use."""
+    """A `VLLM_CPU_*` variable holds a value we cannot use: `expected` says
+    what it accepts, or `why` says why this value cannot be honoured."""
 
-    def __init__(self, name: str, value: str, expected: str):
-        super().__init__(f"{name}={value!r} is invalid: expected {expected}.")
+    def __init__(self, name: str, value: str, expected: str | None = None, *, why: str | None = None):
+        super().__init__(f"{name}={value!r} is invalid: {why or f'expected {expected}'}.")
         self.name = name
 
 
 def _raw(name: str) -> str | None:
     value = os.environ.get(name)
+    if value is None and name in DEPRECATED_ALIASES:
+        old = DEPRECATED_ALIASES[name]
+        value = os.environ.get(old)
+        if value is not None:
+            warnings.warn(f"{old} is deprecated: set {name} instead", FutureWarning, stacklevel=3)
     return None if value is None or value.strip() == "" else value.strip()
 
 
@@ -81,13 +103,34 @@ def kvcache_space_bytes() -> int | None:
     return None if gib == 0 else gib * _GiB
 
 
-def parse_cpu_list(text: str) -> list[int]:
-    """'0-2,5' -> [0, 1, 2, 5]."""
+def parse_cpu_list(text: str, name: str = OMP_THREADS_BIND, value: str | None = None) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5]; the variables and sysfs files share this syntax.
+    A bad list raises EnvError for `name`=`value` (default: the list itself)."""
+    text = text.strip()
+    if not text:
+        return []
+    if not _CPU_LIST_RE.match(text):
+        raise EnvError(name, value or text, why=f"{text!r} is not a CPU list like '0-3,8,10-11'")
     ids: list[int] = []
     for part in text.split(","):
         lo, _, hi = part.partition("-")
+        if hi and int(lo) > int(hi):
+            raise EnvError(name, value or text, why=f"range {part!r} must be written low-high")
         ids.extend(range(int(lo), int(hi or lo) + 1))
     return ids
+
+
+def format_cpu_list(ids) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    ids = sorted(set(ids))
+    parts, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(parts)
 
 
 @dataclass(frozen=True)
@@ -99,6 +142,9 @@ class ThreadsBind:
 
 
 def omp_threads_bind() -> ThreadsBind:
+    """The value's syntax, and CPUs this process may run on (its affinity
+    mask: the kernel keeps it inside the online CPUs and the cgroup cpuset).
+    The per-rank plan (count of lists, NUMA spans) is cpu_backend.topology's."""
     value = _raw(OMP_THREADS_BIND) or "auto"
     if value in ("auto", "all", "nobind"):
         return ThreadsBind(value)
@@ -109,19 +155,8 @@ def omp_threads_bind() -> ThreadsBind:
             value,
             "'auto', 'all', 'nobind', or CPU lists per rank such as '0-31|32-63'",
         )
-    for rank in ranks:
-        for part in rank.split(","):
-            lo, _, hi = part.partition("-")
-            if hi and int(lo) > int(hi):
-                raise EnvError(
-                    OMP_THREADS_BIND, value, "ranges written low-high, e.g. '0-3'"
-                )
-    lists = tuple(tuple(parse_cpu_list(r)) for r in ranks)
-    # Online CPUs in the affinity mask and cgroup cpuset; the per-rank plan
-    # (count of lists, NUMA spans) is checked in cpu_backend.topology.
-    from cpu_backend.topology import discover, format_cpu_list
-
-    allowed = discover().allowed
+    lists = tuple(tuple(parse_cpu_list(r, OMP_THREADS_BIND, value)) for r in ranks)
+    allowed = os.sched_getaffinity(0)
     missing = sorted({c for ids in lists for c in ids} - allowed)
     if missing:
         raise EnvError(
@@ -199,6 +234,37 @@ def gguf_cache_dir() -> str:
     return path
 
 
+def shm() -> bool:
+    """`VLLM_CPU_BACKEND_SHM`: 1 (default) or 0 to force gloo between ranks
+    on one host (to compare, or to test the multi-host path)."""
+    return _flag(SHM) is not False
+
+
+def _positive(name: str, default: float, expected: str, kind=float) -> float:
+    value = _raw(name)
+    if value is None:
+        return default
+    try:
+        number = kind(value)
+    except ValueError:
+        number = 0
+    if not number > 0:
+        raise EnvError(name, value, expected)
+    return number
+
+
+def shm_slot_bytes() -> int:
+    """`VLLM_CPU_BACKEND_SHM_SLOT_MB`: MiB of shared memory per rank and
+    message parity (default 8); larger messages go through gloo."""
+    return _positive(SHM_SLOT_MB, 8, "a whole number of MiB > 0, e.g. 8", int) << 20
+
+
+def shm_timeout_s() -> float:
+    """`VLLM_CPU_BACKEND_SHM_TIMEOUT_S`: seconds a rank waits for its peers
+    in a shared-memory collective before raising (default 600)."""
+    return _positive(SHM_TIMEOUT_S, 600.0, "a number of seconds > 0, e.g. 600")
+
+
 def int4_w4a8() -> bool:
     """`VLLM_CPU_INT4_W4A8`, read as the host reads it (bool(int(...)), default 1):
     whether 4-bit weight-only linears quantize their activations to int8."""
@@ -231,6 +297,9 @@ def validate_all() -> None:
     sgl_kernel()
     lm_head_quant()
     step_graphs()
+    shm()
+    shm_slot_bytes()
+    shm_timeout_s()
     worker_in_engine()
     huge_page_weights()
     gguf_cache_dir()

@@ -318,7 +318,7 @@ def _plan_threads_bind(vllm_config: VllmConfig) -> None:
         return  # the host slices per-DP-rank lists itself; leave the value to it
     spec = _user_threads_bind()
     plan = topology.plan(
-        topology.discover(), spec, parallel_config.local_world_size, topology.reserved_from_env()
+        topology.discover(), spec, parallel_config.local_world_size, envs.num_reserved_cpus()
     )
     for warning in plan.warnings:
         logger.warning(warning)

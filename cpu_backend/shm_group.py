@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cpu_backend import envs
+
 SHM_DIR = Path("/dev/shm")
 PREFIX = "cpubk-"
-SLOT_BYTES = int(os.environ.get("CPU_BACKEND_SHM_SLOT_MB", "8")) << 20
 _CACHE_LINE = 64
 _HEADER = 4096  # counters, one cache line per rank (at most 64 ranks)
-TIMEOUT_S = float(os.environ.get("CPU_BACKEND_SHM_TIMEOUT_S", "600"))
 
 
 class ShmTimeout(RuntimeError):
@@ -55,7 +55,9 @@ def cleanup_stale(shm_dir: Path = SHM_DIR) -> list[str]:
 class ShmGroup:
     """Shared-memory all-reduce / all-gather for `world_size` ranks on one host."""
 
-    def __init__(self, name: str, rank: int, world_size: int, barrier, slot_bytes: int = SLOT_BYTES):
+    def __init__(self, name: str, rank: int, world_size: int, barrier, slot_bytes: int | None = None):
+        slot_bytes = slot_bytes or envs.shm_slot_bytes()
+        self._timeout_s = envs.shm_timeout_s()
         assert world_size * _CACHE_LINE <= _HEADER
         self.rank, self.world_size, self.slot_bytes = rank, world_size, slot_bytes
         self.size = _HEADER + 2 * world_size * slot_bytes
@@ -107,12 +109,12 @@ class ShmGroup:
                 # Oversubscribed cores: let the peer run.
                 os.sched_yield()
                 if deadline is None:
-                    deadline = time.monotonic() + TIMEOUT_S
+                    deadline = time.monotonic() + self._timeout_s
                 elif spins % 4096 == 0 and time.monotonic() > deadline:
                     raise ShmTimeout(
                         f"shared-memory collective {self.name}: no answer from ranks "
-                        f"{np.nonzero(counters < seq)[0].tolist()} within {TIMEOUT_S:.0f} s "
-                        "(CPU_BACKEND_SHM_TIMEOUT_S)"
+                        f"{np.nonzero(counters < seq)[0].tolist()} within {self._timeout_s:.0f} s "
+                        f"({envs.SHM_TIMEOUT_S})"
                     )
         return [self._slot(parity, r, nbytes).view(t.dtype) for r in range(self.world_size)]
 
@@ -141,7 +143,7 @@ class ShmGroup:
 
 
 def shm_usable() -> bool:
-    """`CPU_BACKEND_SHM=0` forces gloo (to compare, or to test the multi-host path)."""
-    if os.environ.get("CPU_BACKEND_SHM", "1").strip() == "0":
+    """`VLLM_CPU_BACKEND_SHM=0` forces gloo (to compare, or to test the multi-host path)."""
+    if not envs.shm():
         return False
     return platform.machine() in ("x86_64", "AMD64") and SHM_DIR.is_dir()

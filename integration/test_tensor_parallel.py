@@ -5,7 +5,7 @@ node) gives the same fp32 greedy tokens as TP=1.
 
 Two engines, ~2.5 minutes here. With `CPU_BACKEND_LONG_TESTS=1` also (one
 engine each, ~1.5 minutes each): TP=2 with explicit `VLLM_CPU_OMP_THREADS_BIND="0|1"`,
-TP=2 over gloo (`CPU_BACKEND_SHM=0`, the path ranks on different hosts take) and
+TP=2 over gloo (`VLLM_CPU_BACKEND_SHM=0`, the path ranks on different hosts take) and
 pipeline parallel 2 (gloo send/recv between stages), all against TP=1.
 
     CPU_BACKEND_LONG_TESTS=1 pytest integration/test_tensor_parallel.py
@@ -68,7 +68,7 @@ def test_tp2_matches_tp1_and_binds_one_core_per_rank(tiny_llama, tp1_tokens, mon
 @pytest.mark.parametrize("name,kwargs,env,communicator", [
     ("tp2-explicit-lists", {"tensor_parallel_size": 2}, {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, CPUS[:2]))},
      "_ShmDistModule"),
-    ("tp2-gloo", {"tensor_parallel_size": 2}, {"CPU_BACKEND_SHM": "0"}, "module"),
+    ("tp2-gloo", {"tensor_parallel_size": 2}, {"VLLM_CPU_BACKEND_SHM": "0"}, "module"),
     ("pp2-gloo", {"pipeline_parallel_size": 2}, {}, "none"),
 ])
 def test_other_layouts_match_tp1(tiny_llama, tp1_tokens, monkeypatch, name, kwargs, env,

@@ -76,6 +76,7 @@ BAD_ENV_VALUES = [
     ("VLLM_CPU_INT4_W4A8", "true", "int4_w4a8"),
     ("VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS", "true", "huge_page_weights"),
     ("VLLM_CPU_BACKEND_GGUF_CACHE", "/etc/passwd", "gguf_cache_dir"),
+    ("VLLM_CPU_BACKEND_SHM_TIMEOUT_S", "soon", "shm_timeout_s"),
 ]
 
 

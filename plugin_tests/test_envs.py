@@ -27,6 +27,10 @@ from cpu_backend import envs, isa
         ("VLLM_CPU_BACKEND_STEP_GRAPHS", "on"),
         ("VLLM_CPU_BACKEND_WORKER_IN_ENGINE", "yes"),
         ("VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS", "true"),
+        ("VLLM_CPU_BACKEND_SHM", "no"),
+        ("VLLM_CPU_BACKEND_SHM_SLOT_MB", "0"),
+        ("VLLM_CPU_BACKEND_SHM_SLOT_MB", "1.5"),
+        ("VLLM_CPU_BACKEND_SHM_TIMEOUT_S", "soon"),
         # Set but empty: the host would int('') inside its workers.
         ("VLLM_CPU_KVCACHE_SPACE", ""),
         ("VLLM_CPU_NUM_OF_RESERVED_CPU", " "),
@@ -57,13 +61,30 @@ def test_kvcache_space(monkeypatch):
 
 @pytest.mark.parametrize("name,parser", [("VLLM_CPU_BACKEND_STEP_GRAPHS", "step_graphs"),
                                          ("VLLM_CPU_BACKEND_HUGE_PAGE_WEIGHTS", "huge_page_weights"),
-                                         ("VLLM_CPU_BACKEND_WORKER_IN_ENGINE", "worker_in_engine")])
+                                         ("VLLM_CPU_BACKEND_WORKER_IN_ENGINE", "worker_in_engine"),
+                                         ("VLLM_CPU_BACKEND_SHM", "shm")])
 def test_flags_on_by_default(monkeypatch, name, parser):
     monkeypatch.delenv(name, raising=False)
     assert getattr(envs, parser)() is True
     for value, on in (("0", False), ("1", True), ("", True)):
         monkeypatch.setenv(name, value)
         assert getattr(envs, parser)() is on
+
+
+def test_shm_sizes_and_deprecated_names(monkeypatch):
+    for name in (*envs.DEPRECATED_ALIASES, *envs.DEPRECATED_ALIASES.values()):
+        monkeypatch.delenv(name, raising=False)
+    assert (envs.shm_slot_bytes(), envs.shm_timeout_s()) == (8 << 20, 600.0)
+    monkeypatch.setenv("VLLM_CPU_BACKEND_SHM_SLOT_MB", "16")
+    monkeypatch.setenv("VLLM_CPU_BACKEND_SHM_TIMEOUT_S", "2.5")
+    assert (envs.shm_slot_bytes(), envs.shm_timeout_s()) == (16 << 20, 2.5)
+    monkeypatch.delenv("VLLM_CPU_BACKEND_SHM_TIMEOUT_S")
+    monkeypatch.setenv("CPU_BACKEND_SHM_TIMEOUT_S", "3")  # the old name still works, with a warning
+    with pytest.warns(FutureWarning, match="set VLLM_CPU_BACKEND_SHM_TIMEOUT_S instead"):
+        assert envs.shm_timeout_s() == 3.0
+    monkeypatch.setenv("CPU_BACKEND_SHM", "0")
+    with pytest.warns(FutureWarning, match="CPU_BACKEND_SHM is deprecated"):
+        assert envs.shm() is False
 
 
 def test_lm_head_quant(monkeypatch):

@@ -61,7 +61,7 @@ def _worker() -> dict:
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from cpu_backend import ops
-    from cpu_backend.quantization.w8a8 import kernel_layout
+    from cpu_backend.quantization.formats import int8_kernel_layout as kernel_layout
 
     isa = ops.load()
     gen = torch.Generator().manual_seed(8)
@@ -149,7 +149,7 @@ def test_w8a8_linear_rejects_bad_operands():
     import torch
 
     from cpu_backend import ops
-    from cpu_backend.quantization.w8a8 import kernel_layout
+    from cpu_backend.quantization.formats import int8_kernel_layout as kernel_layout
 
     ops.load()
     lay = kernel_layout(torch.zeros(20, 8, dtype=torch.int8), torch.ones(20))

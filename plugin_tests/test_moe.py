@@ -223,11 +223,11 @@ def _w8a8_reference(x, w13q, s13, w2q, s2, tw, ti, symmetric, b13=None, b2=None)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_w8a8_experts_match_fake_quant_reference(moe, dtype, symmetric, bias):
     """cpu_backend::moe_experts_w8a8 (the W8A8 MoE method's op) on weights in
-    the kernel layout the method builds (w8a8.kernel_layout), sizes off the
+    the kernel layout the method builds (formats.int8_kernel_layout), sizes off the
     16-column panel and 4-byte k-quad. Bound: max |y - ref| <= 1e-3 R in fp32
     (an activation exactly on a rounding tie may quantize one step apart),
     2.5e-2 R in bf16 (as the unquantized experts)."""
-    from cpu_backend.quantization.w8a8 import kernel_layout
+    from cpu_backend.quantization.formats import int8_kernel_layout as kernel_layout
 
     m, e, topk, h, i = 21, 4, 2, 44, 38
     g = torch.Generator().manual_seed(23 + symmetric)

@@ -205,7 +205,7 @@ def test_float_weight_for_an_int8_layer_is_refused(tp1):
     (e.g. an MoE router missing from `ignore`) used to load its float weight
     into the int8 parameter silently (garbage out): now an error naming the
     tensor and the fix."""
-    from cpu_backend.quantization.config import QuantWeightError
+    from cpu_backend.quantization.checks import QuantWeightError
 
     w = torch.randn(16, 32)
     with pytest.raises(QuantWeightError, match=r"weight: checkpoint tensor is \(16, 32\) float32, "

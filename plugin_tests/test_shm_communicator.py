@@ -107,7 +107,7 @@ def _hang(name, port, rank):
 
 
 def test_crashed_peer_times_out_with_a_clear_error_and_no_segment(monkeypatch):
-    monkeypatch.setenv("CPU_BACKEND_SHM_TIMEOUT_S", "3")
+    monkeypatch.setenv("VLLM_CPU_BACKEND_SHM_TIMEOUT_S", "3")
     code = (
         "import sys, torch.multiprocessing as mp\n"
         "from plugin_tests.test_shm_communicator import _hang\n"

@@ -236,7 +236,7 @@ class QuantizedPrologueStep(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        from cpu_backend.quantization import formats, w8a8
+        from cpu_backend.quantization import formats
 
         torch.manual_seed(5)
         self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
@@ -247,8 +247,8 @@ class QuantizedPrologueStep(torch.nn.Module):
             return formats.kernel_layout(v["q"], v["zero"], v["scale"], v["g_idx"], 4), n
 
         def int8(n, k):
-            return w8a8.kernel_layout(torch.randint(-127, 128, (n, k), dtype=torch.int8),
-                                      torch.rand(n) / 256), n
+            return formats.int8_kernel_layout(torch.randint(-127, 128, (n, k), dtype=torch.int8),
+                                              torch.rand(n) / 256), n
 
         self.gate_up = int4(4 * HIDDEN, HIDDEN)
         self.down = int8(HIDDEN, 2 * HIDDEN)

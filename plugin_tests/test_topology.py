@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from cpu_backend import topology
-from cpu_backend.topology import BindError, discover, format_cpu_list, parse_cpu_list, plan
+from cpu_backend.envs import EnvError, format_cpu_list, parse_cpu_list
+from cpu_backend.topology import discover, plan
 
 
 def make_tree(root: Path, *, sockets: int, cores: int, smt: int = 1, offline=(),
@@ -69,7 +70,7 @@ def test_parse_and_format_round_trip():
     assert parse_cpu_list("0-2,5,7-8") == [0, 1, 2, 5, 7, 8]
     assert format_cpu_list([8, 0, 1, 2, 5, 7]) == "0-2,5,7-8"
     for bad in ("0-x", "3-1", "1,,2", "-1", "0 1"):
-        with pytest.raises(BindError, match="VLLM_CPU_OMP_THREADS_BIND"):
+        with pytest.raises(EnvError, match="VLLM_CPU_OMP_THREADS_BIND"):
             parse_cpu_list(bad)
 
 
@@ -100,7 +101,7 @@ def test_auto_splits_nodes_when_ranks_outnumber_them(two_socket):
     p = plan(two_socket, "auto", world_size=4, reserved=0)
     assert p.host_value() == "0-15|16-31|32-47|48-63"
     assert [r.node for r in p.ranks] == [0, 0, 1, 1]
-    with pytest.raises(BindError, match="spread evenly over 2 NUMA nodes"):
+    with pytest.raises(EnvError, match="spread evenly over 2 NUMA nodes"):
         plan(two_socket, "auto", world_size=3)
 
 
@@ -114,13 +115,13 @@ def test_explicit_lists_validated(two_socket):
     p = plan(two_socket, "0-3,8|32-35", world_size=2)
     assert [r.cpus for r in p.ranks] == [(0, 1, 2, 3, 8), (32, 33, 34, 35)]
     assert not p.warnings
-    with pytest.raises(BindError, match=r"2 CPU list\(s\).*3 local rank"):
+    with pytest.raises(EnvError, match=r"2 CPU list\(s\).*3 local rank"):
         plan(two_socket, "0-3|4-7", world_size=3)
-    with pytest.raises(BindError, match="rank 1 is empty"):
+    with pytest.raises(EnvError, match="rank 1 is empty"):
         plan(two_socket, "0-3|", world_size=2)
-    with pytest.raises(BindError, match="CPUs 200 are not usable"):
+    with pytest.raises(EnvError, match="CPUs 200 are not usable"):
         plan(two_socket, "0,200", world_size=1)
-    with pytest.raises(BindError, match="low-high"):
+    with pytest.raises(EnvError, match="low-high"):
         plan(two_socket, "5-2", world_size=1)
     # Spanning nodes: allowed, with a warning; memory goes to the majority node.
     p = plan(two_socket, "30-40", world_size=1)
@@ -131,7 +132,7 @@ def test_explicit_lists_validated(two_socket):
 
 
 def test_reserved_that_leaves_a_rank_without_a_core_is_refused(two_socket):
-    with pytest.raises(BindError, match="VLLM_CPU_NUM_OF_RESERVED_CPU='63'"):
+    with pytest.raises(EnvError, match="VLLM_CPU_NUM_OF_RESERVED_CPU='63'"):
         plan(two_socket, "auto", world_size=2, reserved=63)
     plan(two_socket, "auto", world_size=2, reserved=62)
 
@@ -149,7 +150,7 @@ def test_container_cpuset_limits_auto_and_lists(tmp_path, version):
     assert p.host_value() == "8-9|10-11" and p.reserved == ()  # no rank left with one core
     p = plan(t, "auto", world_size=2, reserved=2)
     assert p.host_value() == "8|10" and p.reserved == (9, 11)
-    with pytest.raises(BindError, match="not usable"):
+    with pytest.raises(EnvError, match="not usable"):
         plan(t, "0-3", world_size=1)
 
 
@@ -163,7 +164,7 @@ def test_offline_cpus_left_out_and_named(tmp_path):
     t = discover(make_tree(tmp_path, sockets=1, cores=8, offline=(5, 6)))
     assert t.offline == frozenset({5, 6})
     assert plan(t, "auto", world_size=1, reserved=0).host_value() == "0-4,7"
-    with pytest.raises(BindError, match="offline: 5"):
+    with pytest.raises(EnvError, match="offline: 5"):
         plan(t, "4-5", world_size=1)
 
 
@@ -179,7 +180,7 @@ def test_single_node_box_like_this_machine(tmp_path):
     # TP=2: one core each; nothing can be reserved.
     p = plan(t, "auto", world_size=2, reserved=None)
     assert p.host_value() == "0|1" and p.reserved == ()
-    with pytest.raises(BindError, match="at least one core each"):
+    with pytest.raises(EnvError, match="at least one core each"):
         plan(t, "auto", world_size=3)
     assert plan(t, "nobind", world_size=2).ranks == ()
 

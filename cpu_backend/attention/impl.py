@@ -25,7 +25,7 @@ import torch
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
 from cpu_backend.attention import paged_torch
-from cpu_backend.attention.backend import CpuBackendAttentionMetadata
+from cpu_backend.attention.metadata import CpuBackendAttentionMetadata
 from cpu_backend.kv_cache import handler_for
 from cpu_backend.ops import attention as native
 

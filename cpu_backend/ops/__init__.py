@@ -1,8 +1,8 @@
 """Native kernels (csrc/): one shared library per ISA, loaded lazily.
 
-setup.py builds `_kernels_amx.so`, `_kernels_avx512.so`, `_kernels_avx_vnni.so`,
-`_kernels_avx2.so` and `_kernels_portable.so` into this package's parent directory (`cpu_backend/`).
-`load()` loads the one for `cpu_backend.isa.selected_path()` with
+setup.py builds `_kernels_<path>.so` for every path of `cpu_backend.isa.PATHS`
+(amx, avx512, avx_vnni, avx2, portable) into this package's parent directory
+(`cpu_backend/`). `load()` loads the one for `cpu_backend.isa.selected_path()` with
 `torch.ops.load_library`, once per process: the libraries register the same
 `torch.ops.cpu_backend.*` ops, so a process holds exactly one of them (to test
 another ISA, start another process with `VLLM_CPU_BACKEND_ISA` set).
@@ -20,12 +20,9 @@ NOT_BUILT = (
     "cpu_backend native kernels are not built: reinstall with pip install --no-build-isolation ."
 )
 
-# isa.selected_path() -> library (one per path).
-LIBRARY_FOR_PATH = {"amx": "amx", "avx512": "avx512", "avx_vnni": "avx_vnni", "avx2": "avx2",
-                    "portable": "portable"}
-
 _lock = threading.Lock()
 _loaded: str | None = None  # the build loaded in this process, e.g. "avx2"
+_fakes_registered = False
 
 
 class KernelsNotBuilt(RuntimeError):
@@ -74,7 +71,7 @@ def load() -> str:
             return _loaded
         from cpu_backend import isa
 
-        lib = LIBRARY_FOR_PATH[isa.selected_path()]
+        lib = isa.selected_path()  # one library per path of isa.PATHS
         loaded = _already_loaded()
         if loaded is None:
             path = library_file(lib)
@@ -86,11 +83,35 @@ def load() -> str:
 
             torch.ops.load_library(str(path))
             loaded = str(torch.ops.cpu_backend.isa())
-        from cpu_backend.ops import linear
-
-        linear._register_fakes()
+        _register_fakes()
         _loaded = loaded
         return _loaded
+
+
+def _register_fakes() -> None:
+    """Shape functions of the dense linear ops (cpu_backend.ops.linear), for
+    torch.compile; called by load() with the lock held, once per process."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    import torch
+
+    nr = int(torch.ops.cpu_backend.linear_pack_nr())
+
+    @torch.library.register_fake("cpu_backend::pack_linear_weight")
+    def _(weight):
+        n, k = weight.shape
+        return weight.new_empty(((n + nr - 1) // nr, k, nr))
+
+    @torch.library.register_fake("cpu_backend::linear")
+    def _(x, packed_weight, n, bias=None, out_dtype=None):
+        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype or x.dtype)
+
+    @torch.library.register_fake("cpu_backend::linear_out")
+    def _(out, x, packed_weight, n, bias=None):
+        return None
+
+    _fakes_registered = True
 
 
 def loaded_isa() -> str | None:

@@ -24,7 +24,6 @@ from cpu_backend.ops import load
 if TYPE_CHECKING:
     import torch
 
-_fakes_registered = False
 
 
 def pack_nr() -> int:
@@ -86,28 +85,3 @@ def linear_reference(
     if bias is not None:
         y = y + bias.double()
     return y
-
-
-def _register_fakes() -> None:
-    """Shape functions for torch.compile; called by load() after the library."""
-    global _fakes_registered
-    if _fakes_registered:
-        return
-    import torch
-
-    nr = int(torch.ops.cpu_backend.linear_pack_nr())
-
-    @torch.library.register_fake("cpu_backend::pack_linear_weight")
-    def _(weight):
-        n, k = weight.shape
-        return weight.new_empty(((n + nr - 1) // nr, k, nr))
-
-    @torch.library.register_fake("cpu_backend::linear")
-    def _(x, packed_weight, n, bias=None, out_dtype=None):
-        return x.new_empty((*x.shape[:-1], n), dtype=out_dtype or x.dtype)
-
-    @torch.library.register_fake("cpu_backend::linear_out")
-    def _(out, x, packed_weight, n, bias=None):
-        return None
-
-    _fakes_registered = True

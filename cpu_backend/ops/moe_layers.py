@@ -50,7 +50,7 @@ from cpu_backend.ops import moe
 logger = init_logger(f"vllm.{__name__}")
 
 HOST_METHOD = "UnquantizedFusedMoEMethod"
-_ACTIVATIONS = {MoEActivation.SILU: "silu", MoEActivation.GELU: "gelu",
+ACTIVATIONS = {MoEActivation.SILU: "silu", MoEActivation.GELU: "gelu",
                 MoEActivation.GELU_TANH: "gelu_tanh"}
 
 
@@ -82,7 +82,7 @@ class CpuBackendMoEExperts(mk.FusedMoEExpertsModular):
 
     @staticmethod
     def _supports_activation(activation: MoEActivation) -> bool:
-        return activation in _ACTIVATIONS
+        return activation in ACTIVATIONS
 
     @staticmethod
     def _supports_quant_scheme(weight_key, activation_key) -> bool:
@@ -122,7 +122,7 @@ class CpuBackendMoEExperts(mk.FusedMoEExpertsModular):
               expert_tokens_meta, apply_router_weight_on_input):
         output.copy_(torch.ops.cpu_backend.moe_experts(
             hidden_states, w1, w2, topk_weights, topk_ids, self.n13, self.n2,
-            _ACTIVATIONS[activation], self.prepacked, self.w1_bias, self.w2_bias,
+            ACTIVATIONS[activation], self.prepacked, self.w1_bias, self.w2_bias,
             expert_map, apply_router_weight_on_input))
 
 

@@ -40,22 +40,16 @@ from vllm.model_executor.parameter import (
 
 from cpu_backend import envs
 from cpu_backend.quantization import formats
+from cpu_backend.quantization.checks import (
+    QuantConfigError,
+    check_all_loaded,
+    checked_loader,
+    is_our_platform,
+)
 
 logger = init_logger(__name__)
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
-
-
-class QuantConfigError(ValueError):
-    """A checkpoint's quantization_config asks for something we do not run."""
-
-
-def _is_our_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    from cpu_backend.platform import CpuBackendPlatform
-
-    return isinstance(current_platform, CpuBackendPlatform)
 
 
 def _check_keys(fmt: str, config: dict, known: set[str]) -> None:
@@ -105,7 +99,7 @@ class _WNA16Config(QuantizationConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
         method = str(hf_quant_cfg.get("quant_method", "")).lower()
-        if method != cls.FORMAT or not _is_our_platform():
+        if method != cls.FORMAT or not is_our_platform():
             return None
         if user_quant in (None, cls.FORMAT, cls.get_name(), f"{cls.FORMAT}_marlin",
                           f"auto_{cls.FORMAT}"):
@@ -293,7 +287,7 @@ class CpuBackendCompressedTensorsWNA16Config(_WNA16Config):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
         method = str(hf_quant_cfg.get("quant_method", "")).lower()
-        if method != cls.FORMAT or not _is_our_platform() or not cls.claims(hf_quant_cfg):
+        if method != cls.FORMAT or not is_our_platform() or not cls.claims(hf_quant_cfg):
             return None
         if user_quant in (None, cls.FORMAT, cls.get_name()):
             return cls.get_name()
@@ -333,64 +327,6 @@ class CpuBackendCompressedTensorsWNA16Config(_WNA16Config):
         return False
 
 
-class QuantWeightError(ValueError):
-    """A checkpoint tensor of a quantized layer does not fit its parameter."""
-
-
-_QUANTIZED_DTYPES = {torch.int32: "int32 (packed quantized values)",
-                     torch.int8: "int8 (quantized values)"}
-
-
-def _checked_loader(layer, loader):
-    """The host's loaders fail on a mis-shaped checkpoint tensor with a bare
-    torch error ("start (0) + length (32) exceeds dimension size (31)"), and
-    would copy a float tensor into an int32 / int8 one without a word: name the
-    tensor, its shape and dtype, and what the layer expects. Records what was
-    loaded: the host does not check that a quantized model's tensors were all
-    in the checkpoint (see _check_all_loaded)."""
-    if loader is None:
-        return None
-    loaded = layer.__dict__.setdefault("cpu_backend_loaded", {})
-
-    def load(param, loaded_weight, *args, **kwargs):
-        name = next((n for n, p in layer.named_parameters(recurse=False) if p is param), "?")
-        where = f"{getattr(layer, 'prefix', type(layer).__name__)}.{name}"
-        if args:
-            where += f" (shard {args[0]})"
-        got = f"{tuple(loaded_weight.shape)} {str(loaded_weight.dtype).replace('torch.', '')}"
-        want = f"{tuple(param.shape)} {str(param.dtype).replace('torch.', '')}"
-        if param.dtype in _QUANTIZED_DTYPES and loaded_weight.dtype != param.dtype:
-            raise QuantWeightError(
-                f"{where}: checkpoint tensor is {got}, expected {_QUANTIZED_DTYPES[param.dtype]}"
-                " (if this layer is not quantized in the checkpoint, the quantization_config "
-                "must list it in its ignore / modules_to_not_convert)")
-        try:
-            out = loader(param, loaded_weight, *args, **kwargs)
-        except (RuntimeError, AssertionError, IndexError, ValueError) as e:
-            raise QuantWeightError(
-                f"{where}: checkpoint tensor {got} does not fit the layer's parameter {want} "
-                f"({e or type(e).__name__})") from e
-        loaded.setdefault(name, set()).add(args[0] if args else None)
-        return out
-
-    return load
-
-
-def _check_all_loaded(layer, required: tuple[str, ...]) -> None:
-    """Every required tensor came from the checkpoint, for every shard of a
-    fused layer (q/k/v, gate/up). Otherwise the layer would run on
-    uninitialized memory: the host only checks unquantized models."""
-    loaded = layer.__dict__.get("cpu_backend_loaded", {})
-    shards = layer.__dict__.get("cpu_backend_wna16_shards", 1)
-    prefix = getattr(layer, "prefix", type(layer).__name__)
-    missing = [name for name in required
-               if None not in loaded.get(name, set()) and len(loaded.get(name, set())) < shards]
-    if missing:
-        raise QuantWeightError(
-            f"{prefix}: tensor(s) {', '.join(f'{prefix}.{m}' for m in missing)} missing from the "
-            f"checkpoint (loaded shards: { {m: sorted(map(str, loaded.get(m, ()))) for m in missing} })")
-
-
 @register_weight_loader_v2_supported_method
 class WNA16LinearMethod(LinearMethodBase):
     """Creates the checkpoint's tensors, repacks them at load, runs our kernel."""
@@ -413,7 +349,7 @@ class WNA16LinearMethod(LinearMethodBase):
         if n % pf:
             raise QuantConfigError(f"{where}: output size is not a multiple of {pf}")
         groups = k // gs
-        loader = _checked_loader(layer, extra_weight_attrs.get("weight_loader"))
+        loader = checked_loader(layer, extra_weight_attrs.get("weight_loader"))
         layer.cpu_backend_wna16_shards = len(output_partition_sizes)
         if cfg.FORMAT == "compressed-tensors":
             self._create_ct_weights(layer, n, k, groups, loader)
@@ -474,10 +410,10 @@ class WNA16LinearMethod(LinearMethodBase):
         load()
         cfg = self.quant_config
         if cfg.FORMAT == "compressed-tensors":
-            _check_all_loaded(layer, ("weight_packed", "weight_scale")
+            check_all_loaded(layer, ("weight_packed", "weight_scale")
                               + (() if cfg.sym else ("weight_zero_point",)))
         else:
-            _check_all_loaded(layer, ("qweight", "qzeros", "scales"))
+            check_all_loaded(layer, ("qweight", "qzeros", "scales"))
         if cfg.FORMAT == "compressed-tensors":
             zp = layer.weight_zero_point.data if not cfg.sym else None
             view = formats.ct_unpack(layer.weight_packed.data, layer.weight_scale.data, zp, cfg.bits)

@@ -17,7 +17,9 @@ AWQ (AutoAWQ "GEMM" version, 4-bit only):
     qzeros [G, N/8] int32, same packing, zero itself; scales [G, N] float16.
 
 `quantize_rtn` makes the integer view by round-to-nearest; the kernel layout
-for cpu_backend::wna16_linear is made by `kernel_layout`.
+for cpu_backend::wna16_linear is made by `kernel_layout`, the one for
+cpu_backend::w8a8_linear (int8 weights, per-channel scales) by
+`int8_kernel_layout`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 # takes column c from nibble AWQ_REVERSE_ORDER[c].
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 KERNEL_NR = 16  # output columns per panel in csrc/linear_wna16.cpp
+W8A8_KERNEL_NR = 16  # output columns per panel in csrc/linear_w8a8.cpp
 A8_INPUTS = 32  # inputs per int8 activation scale of its W4A8 path (int8_act)
 
 
@@ -274,3 +277,21 @@ def kernel_rows(qweight, scales, zs, bits: int, group_size: int, rows: torch.Ten
     else:
         w = q * s + zs[p, :, c].unsqueeze(-1)
     return w.reshape(len(rows), g * group_size)
+
+
+def int8_kernel_layout(weight: torch.Tensor, w_scale: torch.Tensor) -> dict[str, torch.Tensor]:
+    """int8 weight [N, K] and per-channel scale [N] -> the kernel's operands:
+    qweight [ceil(N/16), ceil(K/4), 64] int8 (panel p, k-quad k4: column j's
+    weights for k = 4 k4 .. 4 k4 + 3 at bytes 4j .. 4j+3; padding zero),
+    wsum [16 P] int32 (sum over k of each column), w_scale [16 P] fp32."""
+    if weight.dtype != torch.int8 or weight.dim() != 2:
+        raise ValueError(f"W8A8 weight must be int8 [N, K], got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    p, k4 = -(-n // W8A8_KERNEL_NR), -(-k // 4)
+    w = torch.zeros(p * W8A8_KERNEL_NR, k4 * 4, dtype=torch.int8)
+    w[:n, :k] = weight
+    qweight = w.view(p, W8A8_KERNEL_NR, k4, 4).permute(0, 2, 1, 3).reshape(p, k4, 4 * W8A8_KERNEL_NR)
+    scale = torch.zeros(p * W8A8_KERNEL_NR, dtype=torch.float32)
+    scale[:n] = w_scale.reshape(-1).float()
+    return {"qweight": qweight.contiguous(), "wsum": w.sum(1, dtype=torch.int32),
+            "w_scale": scale, "n": n}

@@ -34,9 +34,9 @@ from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
 from vllm.model_executor.utils import set_weight_attrs
 
 from cpu_backend.ops import moe as moe_ops
-from cpu_backend.ops.moe_layers import _ACTIVATIONS, CpuBackendMoEExperts
+from cpu_backend.ops.moe_layers import ACTIVATIONS, CpuBackendMoEExperts
 from cpu_backend.quantization import formats
-from cpu_backend.quantization.config import QuantConfigError
+from cpu_backend.quantization.checks import QuantConfigError
 
 
 def install_experts(method: FusedMoEMethodBase, layer, experts_cls, num_experts: int, n13: int,
@@ -113,7 +113,7 @@ class CpuBackendWNA16MoEExperts(ConvertedMoEExperts):
         output.copy_(torch.ops.cpu_backend.moe_experts_wna16(
             hidden_states, topk_weights, topk_ids, *lists(p13), *lists(p2), bits,
             p13[0]["group_size"], p2[0]["group_size"], self.n13, self.n2,
-            _ACTIVATIONS[activation], expert_map, apply_router_weight_on_input))
+            ACTIVATIONS[activation], expert_map, apply_router_weight_on_input))
 
 
 class CpuBackendWNA16MoEMethod(FusedMoEMethodBase):

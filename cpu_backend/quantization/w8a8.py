@@ -49,7 +49,8 @@ from vllm.model_executor.parameter import (
     PerTensorScaleParameter,
 )
 
-KERNEL_NR = 16  # output columns per panel (csrc/linear_w8a8.cpp)
+from cpu_backend.quantization import formats
+from cpu_backend.quantization.checks import checked_loader, is_our_platform
 
 
 def _check_host_signatures() -> None:
@@ -71,24 +72,6 @@ def _check_host_signatures() -> None:
 _check_host_signatures()
 
 
-def kernel_layout(weight: torch.Tensor, w_scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    """int8 weight [N, K] and per-channel scale [N] -> the kernel's operands:
-    qweight [ceil(N/16), ceil(K/4), 64] int8 (panel p, k-quad k4: column j's
-    weights for k = 4 k4 .. 4 k4 + 3 at bytes 4j .. 4j+3; padding zero),
-    wsum [16 P] int32 (sum over k of each column), w_scale [16 P] fp32."""
-    if weight.dtype != torch.int8 or weight.dim() != 2:
-        raise ValueError(f"W8A8 weight must be int8 [N, K], got {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape
-    p, k4 = -(-n // KERNEL_NR), -(-k // 4)
-    w = torch.zeros(p * KERNEL_NR, k4 * 4, dtype=torch.int8)
-    w[:n, :k] = weight
-    qweight = w.view(p, KERNEL_NR, k4, 4).permute(0, 2, 1, 3).reshape(p, k4, 4 * KERNEL_NR)
-    scale = torch.zeros(p * KERNEL_NR, dtype=torch.float32)
-    scale[:n] = w_scale.reshape(-1).float()
-    return {"qweight": qweight.contiguous(), "wsum": w.sum(1, dtype=torch.int32),
-            "w_scale": scale, "n": n}
-
-
 def static_input_params(input_scale: torch.Tensor | None, input_zp: torch.Tensor | None,
                         symmetric: bool) -> tuple[float | None, int | None]:
     """The one static activation scale (and zero point) of a layer. Fused layers
@@ -108,9 +91,7 @@ class CpuBackendInt8ScaledMMLinearKernel(Int8ScaledMMLinearKernel):
 
     @classmethod
     def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
-        from cpu_backend.quantization.config import _is_our_platform
-
-        if not _is_our_platform():
+        if not is_our_platform():
             return False, "requires the cpu_backend platform"
         return True, None
 
@@ -129,7 +110,7 @@ class CpuBackendInt8ScaledMMLinearKernel(Int8ScaledMMLinearKernel):
         scale = getattr(layer, s_name).data
         if not self.config.is_channelwise:  # per-tensor (one per fused shard) -> per channel
             scale = convert_to_channelwise(scale, layer.logical_widths)
-        packed = kernel_layout(weight, scale.reshape(-1))
+        packed = formats.int8_kernel_layout(weight, scale.reshape(-1))
         in_scale = getattr(layer, is_name, None)
         in_zp = getattr(layer, izp_name, None)
         self.input_scale, self.input_zp = static_input_params(
@@ -162,9 +143,7 @@ class CpuBackendW8A8Int8(CompressedTensorsW8A8Int8):
 
     def create_weights(self, layer, output_partition_sizes, input_size_per_partition,
                        params_dtype, weight_loader, **kwargs):
-        from cpu_backend.quantization.config import _checked_loader
-
-        weight_loader = _checked_loader(layer, weight_loader)
+        weight_loader = checked_loader(layer, weight_loader)
         layer.logical_widths = output_partition_sizes
         config = Int8ScaledMMLinearLayerConfig(
             is_channelwise=self.strategy == "channel",
@@ -230,10 +209,8 @@ class CpuBackendCompressedTensorsW8A8Config(CompressedTensorsConfig):
 
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
-        from cpu_backend.quantization.config import _is_our_platform
-
         method = str(hf_quant_cfg.get("quant_method", "")).lower()
-        if method != "compressed-tensors" or not _is_our_platform() or not cls.claims(hf_quant_cfg):
+        if method != "compressed-tensors" or not is_our_platform() or not cls.claims(hf_quant_cfg):
             return None
         if user_quant in (None, "compressed-tensors", cls.get_name()):
             return cls.get_name()

@@ -12,7 +12,7 @@ Ours subclass the host's method and keep its parameters and weight loading
 (int8 `w13_weight` [E, 2I, H] / `w2_weight` [E, H, I], per-channel fp32 scales,
 optional biases), minus its backend selection. At load each expert is repacked
 once into `cpu_backend::w8a8_linear`'s layout (the dense layers' code,
-`w8a8.kernel_layout`); the forward groups tokens by expert
+`formats.int8_kernel_layout`); the forward groups tokens by expert
 (`cpu_backend.ops.moe.grouped_experts`) and runs gate/up -> act * up -> down,
 each GEMM quantizing its input rows per token (dynamic, symmetric or with a zero
 point as the checkpoint says), like the dense W8A8 layers.
@@ -32,10 +32,10 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
     CompressedTensorsW8A8Int8MoEMethod,
 )
 
-from cpu_backend.ops.moe_layers import _ACTIVATIONS
-from cpu_backend.quantization.config import QuantConfigError
+from cpu_backend.ops.moe_layers import ACTIVATIONS
+from cpu_backend.quantization.checks import QuantConfigError
 from cpu_backend.quantization.moe import ConvertedMoEExperts, install_experts
-from cpu_backend.quantization.w8a8 import kernel_layout
+from cpu_backend.quantization.formats import int8_kernel_layout
 
 
 def _check_host_signatures() -> None:
@@ -76,7 +76,7 @@ class CpuBackendW8A8MoEExperts(ConvertedMoEExperts):
             hidden_states, topk_weights, topk_ids,
             [p["qweight"] for p in p13], [p["wsum"] for p in p13], [p["w_scale"] for p in p13],
             [p["qweight"] for p in p2], [p["wsum"] for p in p2], [p["w_scale"] for p in p2],
-            self.n13, self.n2, symmetric, _ACTIVATIONS[activation], self.w1_bias, self.w2_bias,
+            self.n13, self.n2, symmetric, ACTIVATIONS[activation], self.w1_bias, self.w2_bias,
             expert_map, apply_router_weight_on_input))
 
 
@@ -101,7 +101,7 @@ class CpuBackendW8A8MoEMethod(CompressedTensorsW8A8Int8MoEMethod):
         from cpu_backend.ops import load
 
         load()
-        packs = {stem: [kernel_layout(getattr(layer, f"{stem}_weight").data[e],
+        packs = {stem: [int8_kernel_layout(getattr(layer, f"{stem}_weight").data[e],
                                       getattr(layer, f"{stem}_weight_scale").data[e].reshape(-1))
                         for e in range(layer.w13_weight.shape[0])]
                  for stem in ("w13", "w2")}
