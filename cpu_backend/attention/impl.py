@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backend import AttentionImpl, AttentionLayer, AttentionType
 
+from cpu_backend import stats
 from cpu_backend.attention import paged_torch
 from cpu_backend.attention.metadata import CpuBackendAttentionMetadata
 from cpu_backend.kv_cache import handler_for
@@ -37,10 +38,6 @@ def _tensor_scales(layer) -> tuple[float, float]:
 
 
 class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
-    # Counts forward passes in this process; tests read it (via
-    # collective_rpc) to prove this backend ran.
-    forward_calls: int = 0
-
     def __init__(
         self,
         num_heads: int,
@@ -130,7 +127,7 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
             raise NotImplementedError("CPU_BACKEND_ATTN has no fused output quantization.")
         if attn_metadata is None:  # profiling run
             return output
-        type(self).forward_calls += 1
+        stats.count("attention_forward")
         md = attn_metadata
         if self._writes_kv and key is not None and value is not None:
             self.do_kv_cache_update(layer, key, value, kv_cache, md.slot_mapping)
@@ -198,7 +195,7 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
         kv_format = self.kv_handler.kernel_format
         scale, window = self.scale, int(self.params.window or 0)
         softcap, alibi_slopes = float(self.params.softcap or 0.0), self.params.alibi_slopes
-        writes_kv, counter = self._writes_kv, type(self)
+        writes_kv, counts = self._writes_kv, stats.COUNTS
 
         def attention(query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                       output: torch.Tensor) -> None:
@@ -206,7 +203,7 @@ class CpuBackendAttentionImpl(AttentionImpl[CpuBackendAttentionMetadata]):
             md = context.attn_metadata[layer_name]
             if md is None:  # profiling run
                 return
-            counter.forward_calls += 1
+            counts["attention_forward"] += 1
             layer = context.no_compile_layers[layer_name]
             k_scale, v_scale = _tensor_scales(layer)
             if writes_kv and key is not None and value is not None:

@@ -24,20 +24,18 @@ in our worker before the model is built (`register_custom_ops`).
 from __future__ import annotations
 
 import inspect
-from collections import Counter
 
 import torch
 from vllm.logger import init_logger
 from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers import activation as host_activation
 
+from cpu_backend import stats
 from cpu_backend.ops import load
 
 logger = init_logger(f"vllm.{__name__}")
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Kernel calls per class name in this process (the engine tests read them).
-kernel_calls: Counter[str] = Counter()
 
 
 def _kernel_ok(x: torch.Tensor) -> bool:
@@ -70,7 +68,7 @@ class CpuBackendSiluAndMul(host_activation.SiluAndMul):
             return super().forward_cpu(x)
         x2, out = rows
         torch.ops.cpu_backend.silu_and_mul(out.view(x2.shape[0], -1), x2)
-        kernel_calls[type(self).__name__] += 1
+        stats.count(stats.KERNEL_PREFIX + type(self).__name__)
         return out
 
 
@@ -83,7 +81,7 @@ class CpuBackendGeluAndMul(host_activation.GeluAndMul):
             return super().forward_cpu(x)
         x2, out = rows
         torch.ops.cpu_backend.gelu_and_mul(out.view(x2.shape[0], -1), x2, self.approximate)
-        kernel_calls[type(self).__name__] += 1
+        stats.count(stats.KERNEL_PREFIX + type(self).__name__)
         return out
 
 
@@ -105,7 +103,7 @@ class _RotaryOnKernels:
         torch.ops.cpu_backend.rotary_embedding(
             positions, query, key, self.head_size, cache.contiguous(), self.is_neox_style
         )
-        kernel_calls[type(self).__name__] += 1
+        stats.count(stats.KERNEL_PREFIX + type(self).__name__)
         return query, key
 
 

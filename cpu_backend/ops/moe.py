@@ -32,6 +32,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from cpu_backend import stats
 from cpu_backend.ops import linear as linear_ops
 
 if TYPE_CHECKING:
@@ -198,7 +199,6 @@ def fused_experts_reference(
 # (shape-only) implementations.
 import torch  # noqa: E402
 
-CALLS = {"experts": 0}  # op calls in this process (any format), for the worker report
 
 
 @torch.library.custom_op("cpu_backend::moe_experts", mutates_args=())
@@ -208,7 +208,7 @@ def moe_experts_op(
     w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
     expert_map: torch.Tensor | None, apply_router_weight_on_input: bool,
 ) -> torch.Tensor:
-    CALLS["experts"] += 1
+    stats.count("moe_experts")
     return fused_experts(x, w13, w2, topk_weights, topk_ids, n13=n13, n2=n2,
                          activation=activation, packed=packed, w13_bias=w13_bias,
                          w2_bias=w2_bias, expert_map=expert_map,
@@ -231,7 +231,7 @@ def moe_experts_wna16_op(
     apply_router_weight_on_input: bool,
 ) -> torch.Tensor:
     """Weight-only experts on cpu_backend::wna16_linear; an empty perm = none."""
-    CALLS["experts"] += 1
+    stats.count("moe_experts")
 
     def gemm(xe, q, s, z, p, gs, n):
         return torch.ops.cpu_backend.wna16_linear(xe, q, s, z, bits, gs, n,
@@ -265,7 +265,7 @@ def moe_experts_w8a8_op(
 ) -> torch.Tensor:
     """int8 W8A8 experts on cpu_backend::w8a8_linear, activations quantized per
     token (dynamic) at each GEMM."""
-    CALLS["experts"] += 1
+    stats.count("moe_experts")
 
     def gemm(xe, q, s, w, n, bias):
         return torch.ops.cpu_backend.w8a8_linear(xe, q, s, w, n, None, None, input_symmetric,

@@ -38,7 +38,7 @@ from vllm.model_executor.parameter import (
     RowvLLMParameter,
 )
 
-from cpu_backend import envs
+from cpu_backend import envs, stats
 from cpu_backend.quantization import formats
 from cpu_backend.quantization.checks import (
     QuantConfigError,
@@ -331,8 +331,6 @@ class CpuBackendCompressedTensorsWNA16Config(_WNA16Config):
 class WNA16LinearMethod(LinearMethodBase):
     """Creates the checkpoint's tensors, repacks them at load, runs our kernel."""
 
-    apply_calls = 0  # in this process, for the worker's cpu_backend_report
-
     def __init__(self, quant_config: _WNA16Config):
         self.quant_config = quant_config
 
@@ -454,7 +452,7 @@ class WNA16LinearMethod(LinearMethodBase):
                              envs.INT4_W4A8)
 
     def apply(self, layer, x, bias=None):
-        WNA16LinearMethod.apply_calls += 1
+        stats.count("wna16_linear")
         return torch.ops.cpu_backend.wna16_linear(
             x, layer.cpu_backend_qweight, layer.cpu_backend_scales, layer.cpu_backend_zs,
             self.quant_config.bits, layer.cpu_backend_group_size, layer.cpu_backend_wna16_n,

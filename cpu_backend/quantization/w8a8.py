@@ -49,6 +49,7 @@ from vllm.model_executor.parameter import (
     PerTensorScaleParameter,
 )
 
+from cpu_backend import stats
 from cpu_backend.quantization import formats
 from cpu_backend.quantization.checks import checked_loader, is_our_platform
 
@@ -86,8 +87,6 @@ def static_input_params(input_scale: torch.Tensor | None, input_zp: torch.Tensor
 
 class CpuBackendInt8ScaledMMLinearKernel(Int8ScaledMMLinearKernel):
     """Host kernel interface; weights repacked at load, `cpu_backend::w8a8_linear` at run."""
-
-    apply_calls = 0  # in this process, for the worker's cpu_backend_report
 
     @classmethod
     def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
@@ -127,7 +126,7 @@ class CpuBackendInt8ScaledMMLinearKernel(Int8ScaledMMLinearKernel):
 
     def apply_weights(self, layer: torch.nn.Module, x: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
-        CpuBackendInt8ScaledMMLinearKernel.apply_calls += 1
+        stats.count("w8a8_linear")
         return torch.ops.cpu_backend.w8a8_linear(
             x, layer.cpu_backend_qweight, layer.cpu_backend_wsum, layer.cpu_backend_w_scale,
             self.n, self.input_scale, self.input_zp, self.config.input_symmetric, bias)

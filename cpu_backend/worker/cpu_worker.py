@@ -28,7 +28,7 @@ from vllm.utils.torch_utils import set_random_seed
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
-from cpu_backend import ops
+from cpu_backend import host_compat, ops, stats
 from cpu_backend.ops.custom_ops import register_custom_ops
 from cpu_backend.ops.linear_layers import register_layers
 from cpu_backend.ops.moe_layers import register_moe
@@ -36,7 +36,6 @@ from cpu_backend.quantization import register as register_quantization
 from cpu_backend.worker import binding as cpu_binding
 from cpu_backend.worker import checkpoint_files, memory
 from cpu_backend.worker.model_runner import CpuBackendModelRunner, kv_cache_bytes
-from cpu_backend.worker.sampler import CpuBackendSampler
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -60,6 +59,7 @@ class CpuBackendWorker(CPUWorker):
     def init_device(self) -> None:
         self.device = torch.device("cpu")
         cpu_binding.apply(self.cpu_binding)
+        host_compat.log_checks(logger)
         # The CPU communicator names its shared-memory segments after this.
         init_method = self.distributed_init_method
         os.environ["VLLM_DIST_IDENT"] = (
@@ -144,12 +144,8 @@ class CpuBackendWorker(CPUWorker):
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-        from cpu_backend.attention.impl import CpuBackendAttentionImpl
-        from cpu_backend.ops.moe import CALLS as MOE_CALLS
-        from cpu_backend.ops.moe_layers import describe_moe
         from cpu_backend.ops import custom_ops
-        from cpu_backend.quantization.config import WNA16LinearMethod
-        from cpu_backend.quantization.w8a8 import CpuBackendInt8ScaledMMLinearKernel
+        from cpu_backend.ops.moe_layers import describe_moe
 
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         model = self.model_runner.get_model()
@@ -183,21 +179,21 @@ class CpuBackendWorker(CPUWorker):
                 {layer.attn_backend.get_name() for layer in layers.values()}
             ),
             "attention_impls": sorted({type(layer.impl).__qualname__ for layer in layers.values()}),
-            "attention_forward_calls": CpuBackendAttentionImpl.forward_calls,
+            "attention_forward_calls": stats.get("attention_forward"),
             "memory": self._memory_report(model),
-            "wna16_linear_calls": WNA16LinearMethod.apply_calls,
+            "wna16_linear_calls": stats.get("wna16_linear"),
             "wna16_int8_act_layers": sum(bool(getattr(m, "cpu_backend_int8_act", False))
                                          for m in model.modules()),
-            "w8a8_linear_calls": CpuBackendInt8ScaledMMLinearKernel.apply_calls,
+            "w8a8_linear_calls": stats.get("w8a8_linear"),
             "moe_methods": describe_moe(model),
-            "moe_experts_calls": MOE_CALLS["experts"],
+            "moe_experts_calls": stats.get("moe_experts"),
             "custom_ops": sorted(
                 {type(m).__name__ for m in model.modules() if type(m).__module__ == custom_ops.__name__}
             ),
-            "custom_op_kernel_calls": dict(custom_ops.kernel_calls),
+            "custom_op_kernel_calls": stats.kernel_calls(),
             "step_graphs": self.model_runner.step_graphs_report(),
             "sampler": type(self.model_runner.sampler).__qualname__,
-            "greedy_rows_sampled": CpuBackendSampler.greedy_rows,
+            "greedy_rows_sampled": stats.get("greedy_rows"),
         }
 
     def _memory_report(self, model) -> dict:

@@ -20,7 +20,6 @@ nothing to move.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 
 import torch
@@ -32,7 +31,7 @@ from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttention
                                         SlidingWindowSpec)
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from cpu_backend import envs
+from cpu_backend import envs, host_compat
 from cpu_backend.attention import step_ops
 from cpu_backend.worker import huge_pages, memory, sampler, step_graphs
 from cpu_backend.worker.step_graphs import StepGraphs
@@ -48,9 +47,6 @@ GRAPH_BUFFER_TOKEN_ROWS = step_graphs.MAX_TOKENS * (step_graphs.MAX_TOKENS + 1) 
 # its allocator holds already and show no growth at all (seen in CI: a tiny
 # GPTQ model's reserve came out 0, and no step was captured).
 GRAPH_BUFFER_MIN_BYTES = 64 << 20
-_HOST_KV_INIT_PARAMS = list(inspect.signature(CPUModelRunner.initialize_kv_cache).parameters)
-_HOST_FORWARD_PARAMS = list(inspect.signature(CPUModelRunner._model_forward).parameters)
-_HOST_REORDER_PARAMS = list(inspect.signature(CPUModelRunner._may_reorder_batch).parameters)
 # KV-cache layouts whose layers keep no state but the cache the attention ops
 # write: replaying a step on the same inputs changes nothing.
 _STATELESS_KV_SPECS = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
@@ -91,8 +87,9 @@ class CpuBackendModelRunner(CPUModelRunner):
                         self.moved_weights.seconds, self.moved_weights.huge_page_bytes() / 1e6,
                         huge_pages.thp_mode())
 
-    if _HOST_KV_INIT_PARAMS == ["self", "kv_cache_config", "is_profiling",
-                                "kv_cache_allocation_context"]:
+    # Each override below only where the host method takes what it was
+    # written for (cpu_backend.host_compat; the host's runs otherwise).
+    if host_compat.matches("kv_cache_init"):
 
         def initialize_kv_cache(self, kv_cache_config, is_profiling=False,
                                 kv_cache_allocation_context=None) -> None:
@@ -111,8 +108,7 @@ class CpuBackendModelRunner(CPUModelRunner):
                     huge_pages.thp_mode(),
                 )
 
-    if _HOST_FORWARD_PARAMS == ["self", "input_ids", "positions", "intermediate_tensors",
-                                "inputs_embeds", "model_kwargs"]:
+    if host_compat.matches("model_forward"):
 
         def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
                            inputs_embeds=None, **model_kwargs):
@@ -123,7 +119,7 @@ class CpuBackendModelRunner(CPUModelRunner):
             return super()._model_forward(input_ids, positions, intermediate_tensors,
                                           inputs_embeds, **model_kwargs)
 
-    if _HOST_REORDER_PARAMS == ["self", "scheduler_output"]:
+    if host_compat.matches("reorder_batch"):
 
         def _may_reorder_batch(self, scheduler_output) -> None:
             # A batch of one request is in every order already: skip the

@@ -13,27 +13,21 @@ top-k/p, penalties, logprobs) stays the host's.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from vllm.v1.sample.sampler import Sampler
 
+from cpu_backend import host_compat, stats
 from cpu_backend.ops import load
 
 _FLOAT_LOGITS = (torch.float32, torch.bfloat16, torch.float16)
-# The host constructs its sampler with these (gpu_model_runner.__init__).
-_HOST_INIT_PARAMS = ["self", "logprobs_mode", "use_fp64_gumbel"]
 
 
 class CpuBackendSampler(Sampler):
-    # Greedy rows sampled by our kernel in this process; the worker report has it.
-    greedy_rows: int = 0
-
     @staticmethod
     def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
         if logits.dim() == 2 and logits.shape[1] > 0 and logits.dtype in _FLOAT_LOGITS:
             load()
-            CpuBackendSampler.greedy_rows += logits.shape[0]
+            stats.count("greedy_rows", logits.shape[0])
             return torch.ops.cpu_backend.argmax_rows(logits)
         return Sampler.greedy_sample(logits)
 
@@ -43,7 +37,7 @@ def replacing(sampler: object) -> Sampler | None:
     (another sampler class, or a constructor we do not know)."""
     if type(sampler) is not Sampler:
         return None
-    if list(inspect.signature(Sampler.__init__).parameters) != _HOST_INIT_PARAMS:
+    if not host_compat.matches("sampler_init"):
         return None
     return CpuBackendSampler(logprobs_mode=sampler.logprobs_mode,
                              use_fp64_gumbel=sampler.use_fp64_gumbel)
